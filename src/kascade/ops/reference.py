@@ -1,0 +1,254 @@
+"""Kascade attention in plain PyTorch: the specification every fast path is tested against.
+
+Layout everywhere: ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]``, output ``[B, HQ, L, D]``; query head ``hq`` reads
+KV head ``hq // G`` with ``G = HQ / H`` (the order of transformers' ``repeat_kv``).
+
+Which keys a sequence may see is given by two numbers (see :mod:`kascade.ops`): key slots
+``[kv_start[b], q_offset + L)`` are valid for sequence ``b`` (left padding before, unused cache slots after) and
+query ``i`` sits at key slot ``q_offset + i``. Inside this module each sequence is cut out and handled on its own in
+*compact* coordinates: keys ``0..n-1`` and queries at positions ``n - l .. n - 1``. Queries at padding slots get
+a zero output.
+
+Math is done in fp32 (fp64 for fp64 inputs); outputs have the input dtype. Queries are processed in chunks so
+that no ``[HQ, L, N]`` tensor is ever built whole (``_CHUNK_ELEMS`` bounds the largest temporary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..budget import Budget
+from .selection import Selection
+
+# Largest temporary score tensor, in elements (fp32: 256 MB).
+_CHUNK_ELEMS = 1 << 26
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _valid_span(kv_start: torch.Tensor, q_offset: int, L: int, b: int) -> tuple[int, int, int]:
+    """Compact view of sequence ``b``: (first valid key slot, n valid keys, l real queries)."""
+    start = int(kv_start[b])
+    n = q_offset + L - start
+    return start, n, min(L, n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense
+# ----------------------------------------------------------------------------------------------------------------
+def _dense_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: ``q [HQ, l, D]`` at positions ``n-l..n-1``, ``k, v [H, n, D]`` -> ``[HQ, l, D]``."""
+    HQ, l, D = q.shape
+    H, n, _ = k.shape
+    G = HQ // H
+    out = torch.empty_like(q)
+    step = max(1, _CHUNK_ELEMS // (HQ * n))
+    kpos = torch.arange(n, device=q.device)
+    for i0 in range(0, l, step):
+        i1 = min(l, i0 + step)
+        qpos = torch.arange(n - l + i0, n - l + i1, device=q.device)
+        m = int(qpos[-1]) + 1  # keys this chunk can see
+        s = torch.einsum("hgqd,hkd->hgqk", q[:, i0:i1].view(H, G, i1 - i0, D), k[:, :m]) * scale
+        s = s.masked_fill(kpos[:m][None, :] > qpos[:, None], float("-inf"))
+        out[:, i0:i1] = torch.einsum("hgqk,hkd->hgqd", s.softmax(-1), v[:, :m]).reshape(HQ, i1 - i0, D)
+    return out
+
+
+def dense_attention(q, k, v, *, scale: float, kv_start: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """Causal GQA attention over all valid keys. Arguments as in :func:`kascade.ops.dense_attention`."""
+    B, HQ, L, D = q.shape
+    md = _math_dtype(q.dtype)
+    out = torch.zeros(B, HQ, L, D, dtype=md, device=q.device)
+    for b in range(B):
+        start, n, l = _valid_span(kv_start, q_offset, L, b)
+        out[b, :, L - l :] = _dense_one(
+            q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md), v[b, :, start : start + n].to(md), scale
+        )
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pooled probabilities (shared by selection and calibration)
+# ----------------------------------------------------------------------------------------------------------------
+def iter_pooled_prefill(q: torch.Tensor, k: torch.Tensor, scale: float, tile: int):
+    """Exact post-softmax probabilities of one sequence, pooled per KV head over the G heads and each tile.
+
+    ``q [HQ, l, D]`` at positions ``n-l..n-1``, ``k [H, n, D]``. Yields ``(t0, pooled)`` for consecutive chunks of
+    tiles: ``pooled [H, c, m]`` (fp32/fp64) holds, for absolute tiles ``t0..t0+c-1``, the sum over the tile's queries
+    that are in this call and the group's heads of ``softmax(q k^T * scale)`` over the causal prefix, for keys
+    ``0..m-1`` (every key the chunk's queries can see, own tiles included).
+    """
+    HQ, l, D = q.shape
+    H, n, _ = k.shape
+    G = HQ // H
+    p0 = n - l
+    t_first, t_last = p0 // tile, (n - 1) // tile
+    tiles_per_chunk = max(1, _CHUNK_ELEMS // (HQ * tile * n))
+    kpos = torch.arange(n, device=q.device)
+    for t0 in range(t_first, t_last + 1, tiles_per_chunk):
+        t1 = min(t_last + 1, t0 + tiles_per_chunk)
+        a, e = max(t0 * tile, p0), min(t1 * tile, n)  # positions of this chunk's queries
+        qpos = torch.arange(a, e, device=q.device)
+        m = e  # keys visible to the chunk
+        s = torch.einsum("hgqd,hkd->hgqk", q[:, a - p0 : e - p0].view(H, G, e - a, D), k[:, :m]) * scale
+        s = s.masked_fill(kpos[:m][None, :] > qpos[:, None], float("-inf"))
+        per_query = s.softmax(-1).sum(1)  # [H, e-a, m]
+        pooled = per_query.new_zeros(H, t1 - t0, m)
+        pooled.index_add_(1, qpos // tile - t0, per_query)
+        yield t0, pooled
+
+
+def pooled_decode(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode query of one sequence, ``q [HQ, 1, D]``, ``k [H, n, D]`` -> pooled probabilities ``[H, n]``."""
+    HQ, _, D = q.shape
+    H, n, _ = k.shape
+    s = torch.einsum("hgd,hkd->hgk", q.view(H, HQ // H, D), k) * scale
+    return s.softmax(-1).sum(1)
+
+
+def _topk_sorted(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Row ``r`` of ``scores [H, R, m]`` keeps its ``counts[r]`` largest entries: indices ``[H, R, max(counts)]``,
+    ascending, padded with -1 at the end."""
+    H, R, m = scores.shape
+    K = max(counts) if counts else 0
+    idx = scores.topk(K, dim=-1).indices if K > 0 else scores.new_zeros(H, R, 0, dtype=torch.long)
+    slot = torch.arange(K, device=scores.device)
+    keep = slot[None, :] < torch.tensor(counts, device=scores.device)[:, None]  # [R, K]
+    big = torch.iinfo(torch.long).max
+    idx = torch.where(keep, idx, big).sort(-1).values
+    return torch.where(idx == big, -1, idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selection
+# ----------------------------------------------------------------------------------------------------------------
+def _select_prefill_one(q, k, scale: float, budget: Budget) -> tuple[torch.Tensor, int]:
+    """One sequence in prefill: indices ``[H, R, K]`` (compact key positions) and the first row's tile."""
+    H, n, _ = k.shape
+    T = budget.tile
+    t_first = (n - q.shape[1]) // T
+    rows, counts = [], []
+    for t0, pooled in iter_pooled_prefill(q, k, scale, T):
+        c, m = pooled.shape[1], pooled.shape[2]
+        s = torch.arange(t0, t0 + c, device=q.device) * T  # first position of each tile
+        cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], float("-inf"))
+        cnt = [budget.prefill_tile(int(x), n) for x in s]
+        rows.append(_topk_sorted(cand, cnt))
+        counts += cnt
+    K = max(counts)
+    idx = torch.full((H, len(counts), K), -1, dtype=torch.long, device=q.device)
+    r = 0
+    for part in rows:
+        idx[:, r : r + part.shape[1], : part.shape[2]] = part
+        r += part.shape[1]
+    return idx, t_first
+
+
+def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int) -> Selection:
+    """Anchor selection. Arguments as in :func:`kascade.ops.select`."""
+    B, HQ, L, D = q.shape
+    H = k.shape[1]
+    md = _math_dtype(q.dtype)
+    decode = L == 1
+    per_seq, row_start = [], []
+    for b in range(B):
+        start, n, l = _valid_span(kv_start, q_offset, L, b)
+        qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
+        if decode:
+            idx, t = _topk_sorted(pooled_decode(qb, kb, scale)[:, None, :], [budget.decode(n)]), 0
+        else:
+            idx, t = _select_prefill_one(qb, kb, scale, budget)
+        per_seq.append(torch.where(idx >= 0, idx + start, -1))
+        row_start.append(t)
+    R = max(x.shape[1] for x in per_seq)
+    K = max(x.shape[2] for x in per_seq)
+    indices = torch.full((B, H, R, K), -1, dtype=torch.long, device=q.device)
+    for b, x in enumerate(per_seq):
+        indices[b, :, : x.shape[1], : x.shape[2]] = x
+    return Selection(
+        indices=indices,
+        row_start=torch.tensor(row_start, dtype=torch.long, device=q.device),
+        tile=budget.tile,
+        decode=decode,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparse attention over a selection
+# ----------------------------------------------------------------------------------------------------------------
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [H, n, D]``, ``idx [H, c, K]`` (-1 = none) -> ``[H, c, K, D]`` (rows for -1 are row 0, masked later)."""
+    H, c, K = idx.shape
+    flat = idx.clamp_min(0).reshape(H, c * K, 1).expand(H, c * K, x.shape[-1])
+    return x.gather(1, flat).view(H, c, K, x.shape[-1])
+
+
+def _sparse_prefill_one(q, k, v, idx: torch.Tensor, t_first: int, scale: float, T: int) -> torch.Tensor:
+    """One sequence in prefill. ``idx [H, R, K]`` compact positions, row ``r`` = tile ``t_first + r``."""
+    HQ, l, D = q.shape
+    H, n, _ = k.shape
+    G = HQ // H
+    p0 = n - l
+    K = idx.shape[-1]
+    out = torch.zeros_like(q)
+    t_last = (n - 1) // T
+    tiles_per_chunk = max(1, _CHUNK_ELEMS // (HQ * T * (K + T)))
+    for t0 in range(t_first, t_last + 1, tiles_per_chunk):
+        t1 = min(t_last + 1, t0 + tiles_per_chunk)
+        c = t1 - t0
+        # Queries of the chunk laid out by tile: [c, T] positions, some outside [p0, n) (not in this call).
+        qpos = torch.arange(t0 * T, t1 * T, device=q.device).view(c, T)
+        qok = (qpos >= p0) & (qpos < n)
+        qi = (qpos - p0).clamp(0, l - 1)
+        qt = q[:, qi.flatten()].view(H, G, c, T, D)
+        # Selected keys of each tile.
+        rid = idx[:, t0 - t_first : t1 - t_first]  # [H, c, K]
+        s_sel = torch.einsum("hgctd,hckd->hgctk", qt, _gather_rows(k, rid)) * scale
+        s_sel = s_sel.masked_fill((rid < 0)[:, None, :, None, :], float("-inf"))
+        # Own tile, causal.
+        kpos = qpos.clamp(max=n - 1)  # own-tile key positions [c, T]
+        k_own = k[:, kpos.flatten()].view(H, c, T, D)
+        s_own = torch.einsum("hgctd,hcjd->hgctj", qt, k_own) * scale
+        own_ok = (qpos[:, None, :] <= qpos[:, :, None]) & (qpos[:, None, :] < n)  # [c, T(query), T(key)]
+        s_own = s_own.masked_fill(~own_ok[None, None], float("-inf"))
+        w = torch.cat([s_sel, s_own], -1).softmax(-1)
+        o = torch.einsum("hgctk,hckd->hgctd", w[..., :K], _gather_rows(v, rid))
+        o = o + torch.einsum("hgctj,hcjd->hgctd", w[..., K:], v[:, kpos.flatten()].view(H, c, T, D))
+        o = o.reshape(HQ, c * T, D)
+        keep = qok.flatten()
+        out[:, qi.flatten()[keep]] = o[:, keep]
+    return out
+
+
+def _sparse_decode_one(q, k, v, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode query: ``q [HQ, 1, D]``, ``idx [H, 1, K]`` -> ``[HQ, 1, D]``."""
+    HQ, _, D = q.shape
+    H = k.shape[0]
+    G = HQ // H
+    kk, vv = _gather_rows(k, idx)[:, 0], _gather_rows(v, idx)[:, 0]  # [H, K, D]
+    s = torch.einsum("hgd,hkd->hgk", q.view(H, G, D), kk) * scale
+    s = s.masked_fill((idx[:, 0] < 0)[:, None, :], float("-inf"))
+    return torch.einsum("hgk,hkd->hgd", s.softmax(-1), vv).reshape(HQ, 1, D)
+
+
+def sparse_attention(q, k, v, selection: Selection, *, scale: float, kv_start: torch.Tensor, q_offset: int):
+    """Attention over selected keys (plus the own tile in prefill). Arguments as in
+    :func:`kascade.ops.sparse_attention`."""
+    B, HQ, L, D = q.shape
+    md = _math_dtype(q.dtype)
+    out = torch.zeros(B, HQ, L, D, dtype=md, device=q.device)
+    for b in range(B):
+        start, n, l = _valid_span(kv_start, q_offset, L, b)
+        qb = q[b, :, L - l :].to(md)
+        kb, vb = k[b, :, start : start + n].to(md), v[b, :, start : start + n].to(md)
+        idx = selection.indices[b]
+        idx = torch.where(idx >= 0, idx - start, -1)
+        if selection.decode:
+            out[b, :, L - l :] = _sparse_decode_one(qb, kb, vb, idx, scale)
+        else:
+            out[b, :, L - l :] = _sparse_prefill_one(
+                qb, kb, vb, idx, int(selection.row_start[b]), scale, selection.tile
+            )
+    return out.to(q.dtype)
