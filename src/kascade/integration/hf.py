@@ -1,0 +1,242 @@
+"""Route a transformers model's attention through Kascade, reversibly.
+
+``enable`` registers one attention function and one mask function under the name ``"kascade"`` in transformers'
+registries (at call time, never at import), switches the model's attention implementation to it, and attaches a
+:class:`KascadeRuntime` to each attention module. ``disable`` (or leaving the ``with`` block) puts the previous
+implementation back and detaches everything, so the model computes exactly what it computed before.
+
+Per forward pass (one prefill or one decode step) the runtime keeps a :class:`ForwardState`: the key geometry
+derived from the padding mask and the selections made by the anchor layers, keyed by layer. Layer 0 runs first in
+every forward and starts a new state; reuse layers read their anchor's selection from it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from ..ops import Selection
+from ..plan import KascadePlan, ModelFingerprint, default_plan
+
+ATTN_NAME = "kascade"
+BACKENDS = ops.BACKENDS
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """What Kascade's mask function hands to its attention function instead of a 4-D mask.
+
+    valid:    ``[B, N]`` bool, key slots that are not padding (None: no padding).
+    q_offset: key slot of the first query of this call.
+    """
+
+    valid: torch.Tensor | None
+    q_offset: int
+
+
+def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs) -> KeyMask:
+    """Mask function registered in transformers' ``AttentionMaskInterface`` under ``"kascade"``."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not causal_mask_function:
+        raise ValueError(
+            "Kascade supports plain causal attention only; this model asked for another mask pattern "
+            f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"
+        )
+    q_slot = int(q_offset) - int(kv_offset)
+    valid = None
+    if attention_mask is not None:
+        valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+        if valid.shape[1] < kv_length:  # unused cache slots beyond the mask: ignored by the ops anyway
+            pad = valid.new_ones(valid.shape[0], kv_length - valid.shape[1])
+            valid = torch.cat([valid, pad], 1)
+        if bool(valid[:, : q_slot + q_length].all()):
+            valid = None
+    return KeyMask(valid=valid, q_offset=q_slot)
+
+
+def _geometry(mask, B: int, L: int, N: int) -> tuple[torch.Tensor, int]:
+    """``(kv_start [B], q_offset)`` from whatever the model passed as the attention mask."""
+    if mask is None:
+        return torch.zeros(B, dtype=torch.long), N - L
+    if not isinstance(mask, KeyMask):
+        raise ValueError(
+            f"Kascade got an attention mask it did not make ({type(mask).__name__}"
+            f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}); pass a 2-D padding "
+            "mask (attention_mask=[B, N] of 0/1) and let the model build the rest"
+        )
+    q_offset = mask.q_offset
+    if mask.valid is None:
+        return torch.zeros(B, dtype=torch.long), q_offset
+    v = mask.valid[:, : q_offset + L].cpu()
+    if not bool(v.any(1).all()):
+        raise ValueError("a sequence in the batch has no valid tokens (its attention mask is all zeros)")
+    kv_start = v.int().argmax(1).long()
+    if not torch.equal(v, torch.arange(v.shape[1])[None, :] >= kv_start[:, None]):
+        raise ValueError(
+            "Kascade needs left padding (padding only before each sequence's tokens); set "
+            "tokenizer.padding_side = 'left'"
+        )
+    return kv_start, q_offset
+
+
+@dataclass
+class ForwardState:
+    """Per forward pass: key geometry and the selections of the anchor layers so far."""
+
+    kv_start: torch.Tensor
+    q_offset: int
+    selections: dict[int, Selection] = field(default_factory=dict)
+
+
+class KascadeRuntime:
+    """Computes every layer's attention for one enabled model according to its plan."""
+
+    def __init__(self, plan: KascadePlan, backend: str):
+        self.plan = plan
+        self.budget = plan.budget
+        self.backend = backend
+        self.state: ForwardState | None = None
+
+    def attend(self, layer: int, q, k, v, mask, scale) -> torch.Tensor:
+        """``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` -> ``[B, HQ, L, D]``."""
+        B, _, L, _ = q.shape
+        N = k.shape[2]
+        if layer == 0:
+            kv_start, q_offset = _geometry(mask, B, L, N)
+            self.state = ForwardState(kv_start=kv_start, q_offset=q_offset)
+        st = self.state
+        if st is None:
+            raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
+        kw = dict(scale=scale, kv_start=st.kv_start, q_offset=st.q_offset, backend=self.backend)
+        plan = self.plan
+        if plan.is_anchor(layer):
+            sel = ops.select(q, k, budget=self.budget, **kw)
+            st.selections[layer] = sel
+            if layer == 0:
+                return ops.dense_attention(q, k, v, **kw)
+        else:
+            anchor = plan.anchor_of(layer)
+            if anchor not in st.selections:
+                raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
+            sel = st.selections[anchor].remap(plan.head_map[layer])
+        return ops.sparse_attention(q, k, v, sel, **kw)
+
+
+def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered in transformers' ``AttentionInterface`` under ``"kascade"``."""
+    runtime = getattr(module, "_kascade_runtime", None)
+    if runtime is None:
+        raise RuntimeError(
+            "this model's attention implementation is 'kascade' but Kascade is not enabled on it; "
+            "use kascade.enable(model) (or set another attn_implementation)"
+        )
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Kascade does not support attention with {name}={kwargs[name]!r}")
+    if dropout and module.training:
+        raise ValueError("Kascade is an inference method: attention dropout in training mode is not supported")
+    out = runtime.attend(module.layer_idx, query, key, value, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, kascade_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, kascade_mask)
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The model's self-attention modules, ordered by ``layer_idx``; ValueError if they cannot be routed."""
+    mods = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "layer_idx")]
+    idx = sorted(int(m.layer_idx) for m in mods)
+    n = ModelFingerprint.from_model(model).num_layers
+    if idx != list(range(n)):
+        raise ValueError(
+            f"cannot route this model's attention through Kascade: expected {n} attention modules with layer_idx "
+            f"0..{n - 1}, found {len(mods)} ({type(model).__name__})"
+        )
+    return sorted(mods, key=lambda m: int(m.layer_idx))
+
+
+class KascadeHandle:
+    """Returned by :func:`enable`; a context manager whose exit (or :meth:`disable`) restores the model."""
+
+    def __init__(self, model, runtime: KascadeRuntime, previous_impl: str, modules):
+        self.model = model
+        self.runtime = runtime
+        self.plan = runtime.plan
+        self._previous_impl = previous_impl
+        self._modules = modules
+        self.active = True
+
+    def disable(self) -> None:
+        if not self.active:
+            return
+        for m in self._modules:
+            del m._kascade_runtime
+        self.model.set_attn_implementation(self._previous_impl)
+        del self.model._kascade_handle
+        self.active = False
+
+    def __enter__(self) -> "KascadeHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disable()
+
+
+def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference") -> KascadeHandle:
+    """Route every attention layer of ``model`` through Kascade with ``plan``.
+
+    ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
+    uniform plan (with a warning). Use as ``with kascade.enable(model): ...`` or keep the handle and call
+    ``kascade.disable(model)``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if getattr(model, "_kascade_handle", None) is not None:
+        raise RuntimeError("Kascade is already enabled on this model; disable it first")
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"Kascade supports full causal attention layers only; this model has {sorted(set(layer_types))}")
+    if plan is None:
+        plan = default_plan(model)
+    if not isinstance(plan, KascadePlan):
+        raise TypeError(f"plan must be a KascadePlan, got {type(plan).__name__}")
+    plan.check_model(model)
+    if not plan.calibrated:
+        warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
+                      "calibrated one (see `kascade calibrate`)", stacklevel=2)
+    modules = attention_modules(model)
+    if not type(model)._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
+                         "Kascade cannot route its attention")
+    previous = model.config._attn_implementation
+    _register()
+    model.set_attn_implementation(ATTN_NAME)
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(previous)
+        raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
+    runtime = KascadeRuntime(plan, backend)
+    for m in modules:
+        m._kascade_runtime = runtime
+    handle = KascadeHandle(model, runtime, previous, modules)
+    model._kascade_handle = handle
+    return handle
+
+
+def disable(model) -> None:
+    """Undo :func:`enable` on ``model`` (no-op if Kascade is not enabled)."""
+    handle = getattr(model, "_kascade_handle", None)
+    if handle is not None:
+        handle.disable()

