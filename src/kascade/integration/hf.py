@@ -209,6 +209,9 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"Kascade supports full causal attention layers only; this model has {sorted(set(layer_types))}")
+    if not layer_types and getattr(cfg, "sliding_window", None) is not None:
+        raise ValueError(f"this model uses sliding-window attention (sliding_window={cfg.sliding_window}), which Kascade "
+                         "does not support; set model.config.sliding_window = None if your prompts fit in the window")
     if plan is None:
         plan = default_plan(model)
     if not isinstance(plan, KascadePlan):

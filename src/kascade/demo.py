@@ -1,0 +1,117 @@
+"""`kascade demo`: a needle in a long haystack of real text, answered densely and with Kascade."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from . import text
+from .eval.metrics import Fidelity, fidelity
+from .integration.hf import enable
+from .models import load_model
+from .plan import default_plan
+
+NEEDLE = "The secret passphrase of the archive is {value}."
+QUESTION = "What is the secret passphrase of the archive? Answer with the passphrase only."
+VALUE = "blue-harbor-7421"
+
+
+@dataclass
+class RunResult:
+    answer: str
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
+    decode_steps: int  # forward calls in the decode loop
+    logits: torch.Tensor  # [positions, V] teacher-forced logits of the prompt's last positions
+
+
+def build_prompt(tokenizer, tokens: int, seed: int = 0) -> torch.Tensor:
+    """Chat-formatted prompt of about ``tokens`` tokens: haystack from the evaluation text, needle in the middle."""
+    needle = NEEDLE.format(value=VALUE)
+    frame = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\n\n" + needle + "\n\n" + QUESTION}], add_generation_prompt=True,
+        tokenize=True, return_dict=False,
+    )
+    room = tokens - len(frame)
+    if room < 64:
+        raise ValueError(f"--tokens {tokens} is too short for the haystack; use at least {len(frame) + 64}")
+    hay = text.windows(tokenizer, "eval", room, 1, seed=seed)[0]
+    half = [tokenizer.decode(x, clean_up_tokenization_spaces=False) for x in (hay[: room // 2], hay[room // 2 :])]
+    content = half[0] + "\n\n" + needle + "\n\n" + half[1] + "\n\n" + QUESTION
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return torch.tensor([ids])
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, keep: int, bar) -> RunResult:
+    """Prefill (keeping the last ``keep`` positions' logits), then greedy decode with the default KV cache."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    cache = DynamicCache()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    sync()
+    prefill = time.perf_counter() - t0
+    bar.update(1)
+    logits = out.logits[0].float().cpu()
+    nxt = out.logits[0, -1].argmax()
+    new, steps = [int(nxt)], 0
+    t0 = time.perf_counter()
+    while len(new) < max_new_tokens and new[-1] != tokenizer.eos_token_id:
+        out = model(nxt.view(1, 1), past_key_values=cache, use_cache=True)
+        nxt = out.logits[0, -1].argmax()
+        new.append(int(nxt))
+        steps += 1
+        bar.update(1)
+    sync()
+    decode = time.perf_counter() - t0
+    answer = tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+    return RunResult(answer, prefill, decode, len(new), steps, logits)
+
+
+def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, device: str = "cpu",
+        model_path=None, plan=None, seed: int = 0) -> dict:
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    t0 = time.perf_counter()
+    print(f"loading {'the default model (SmolLM2-135M-Instruct)' if model_path is None else model_path} ...", flush=True)
+    model, tok = load_model(model_path, device=device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    ids = build_prompt(tok, tokens, seed=seed)
+    keep = min(compare_last + 1, ids.shape[1])
+    plan = plan or default_plan(model)
+    results = {}
+    with tqdm(total=2 * max_new_tokens, desc="dense + kascade", unit="step") as bar:
+        bar.set_postfix_str("dense")
+        results["dense"] = greedy(model, tok, ids, max_new_tokens, keep, bar)
+        bar.set_postfix_str("kascade")
+        with enable(model, plan):
+            results["kascade"] = greedy(model, tok, ids, max_new_tokens, keep, bar)
+        bar.update(bar.total - bar.n)
+    # logits at position t predict token t+1: compare the last `compare_last` prompt positions
+    fid: Fidelity = fidelity(results["dense"].logits[-compare_last - 1 : -1], results["kascade"].logits[-compare_last - 1 : -1])
+    return dict(prompt_tokens=ids.shape[1], load_s=load_s, plan=plan, results=results, fidelity=fid,
+                expected=VALUE, device=device)
+
+
+def report(r: dict) -> str:
+    plan = r["plan"]
+    lines = [
+        f"prompt: {r['prompt_tokens']} tokens (needle: {r['expected']!r}), device {r['device']}, model load {r['load_s']:.1f} s",
+        f"plan: {len(plan.anchors)} anchors {list(plan.anchors)} of {plan.num_layers} layers, ratio {plan.ratio}, "
+        f"k_min {plan.k_min}, tile {plan.tile} ({'calibrated' if plan.calibrated else 'UNCALIBRATED'}: {plan.source})",
+        "",
+        f"{'':8} {'prefill s':>10} {'decode s/tok':>13}  answer",
+    ]
+    for name, res in r["results"].items():
+        per_tok = res.decode_s / max(1, res.decode_steps)
+        lines.append(f"{name:8} {res.prefill_s:10.2f} {per_tok:13.3f}  {res.answer!r}")
+    lines += ["", f"teacher-forced on the prompt's last {r['fidelity'].positions} positions: {r['fidelity']}"]
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Real English text that ships with every Python, cut into token windows.
+
+The corpus is ``pydoc_data.topics`` (the Python reference's topic pages, about 113K tokens for SmolLM2's
+tokenizer), in sorted topic order. Its token stream is split once into a *development* part (the first 60%, for
+calibration) and an *evaluation* part (the last 40%, for fidelity tests and haystacks), so that the windows a plan
+is calibrated on never overlap the windows it is judged on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SPLITS = ("dev", "eval")
+DEV_FRACTION = 0.6
+
+
+def corpus_text() -> str:
+    import pydoc_data.topics as topics
+
+    return "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus_ids(tokenizer) -> torch.Tensor:
+    return torch.tensor(tokenizer(corpus_text(), add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+def split_ids(tokenizer, split: str) -> torch.Tensor:
+    """Token ids of one split of the corpus."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    ids = _corpus_ids(tokenizer)
+    cut = int(len(ids) * DEV_FRACTION)
+    return ids[:cut] if split == "dev" else ids[cut:]
+
+
+def windows(tokenizer, split: str, length: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` windows of ``length`` tokens from ``split``, deterministic in ``seed``.
+
+    Windows are spread evenly over the split (starting at a seeded offset); they overlap only when the split is
+    too short to hold ``count`` disjoint windows. Raises ValueError when one window does not fit.
+    """
+    if length < 1 or count < 1:
+        raise ValueError(f"length and count must be >= 1, got {length}, {count}")
+    ids = split_ids(tokenizer, split)
+    room = len(ids) - length
+    if room < 0:
+        raise ValueError(f"the {split} split has {len(ids)} tokens, fewer than one window of {length}")
+    if count * length <= len(ids):  # disjoint, evenly spaced, shifted by a seeded offset
+        gap = (len(ids) - count * length) // count
+        shift = int(torch.randint(0, gap + 1, (1,), generator=torch.Generator().manual_seed(seed)))
+        starts = [shift + i * (length + gap) for i in range(count)]
+    else:  # the split is too short: evenly spread, overlapping windows
+        starts = [round(i * room / max(1, count - 1)) for i in range(count)]
+    return [ids[s : s + length].clone() for s in starts]
