@@ -1,0 +1,250 @@
+"""Triton decode kernels (kascade.ops.triton.decode) against the reference ops, under the Triton interpreter.
+
+Every kernel runs on fresh random inputs at small, deliberately odd sizes, for each supported G and D, fp16 and
+bf16, contiguous and paged KV, with different lengths in one batch. Cache slots that no sequence may read (left
+padding, unused slots after the query, unused page space) hold NaN, and outputs start as NaN, so a stray read or
+an unwritten output cannot pass. Tolerance (STYLE.md): the error against the fp64 reference is at most twice the
+error of the reference's own result rounded to the low precision, plus a tiny atol.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from kascade.budget import Budget  # noqa: E402
+from kascade.ops import dense_attention, reference, select, sparse_attention  # noqa: E402
+from kascade.ops.triton import decode as td  # noqa: E402
+
+# (B, H, G, N, D, dtype, page, num_splits): every G in 1..16 that divides as in real models, each D, both dtypes,
+# paged and contiguous, splits chosen by the launcher (None), forced to one (no merge) or to many.
+CASES = [
+    (3, 2, 1, 97, 64, torch.bfloat16, 0, None),
+    (2, 1, 2, 301, 128, torch.float16, 16, None),
+    (3, 3, 3, 133, 64, torch.bfloat16, 32, 1),
+    (2, 2, 4, 257, 128, torch.bfloat16, 0, 5),
+    (2, 2, 4, 211, 256, torch.float16, 0, None),
+    (2, 1, 8, 199, 64, torch.float16, 0, None),
+    (3, 1, 8, 161, 128, torch.bfloat16, 64, None),
+    (2, 1, 16, 127, 256, torch.bfloat16, 16, 3),
+    (2, 2, 16, 75, 64, torch.float16, 256, None),
+    (2, 1, 6, 333, 128, torch.float32, 32, None),
+]
+
+
+def _id(c):
+    B, H, G, N, D, dt, page, S = c
+    return f"B{B}-H{H}-G{G}-N{N}-D{D}-{str(dt).split('.')[-1]}-{'paged' + str(page) if page else 'contig'}-S{S}"
+
+
+BUDGET = Budget(ratio=0.2, k_min=9)
+
+
+def _inputs(case, seed):
+    """q, k, v (fp64 masters), kv_start (varied lengths) and q_offset (< N - 1: unused slots after the query)."""
+    B, H, G, N, D, dt, page, _ = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H * G, 1, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, N, D, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    q_offset = N - 1 - int(torch.randint(0, 4, (1,), generator=g))
+    kv_start = torch.tensor([0] + [int(torch.randint(1, q_offset - 10, (1,), generator=g)) for _ in range(B - 1)])
+    return q, k, v, kv_start, q_offset
+
+
+def _poison(x, kv_start, q_offset):
+    """Contiguous cache in the low precision, NaN in every slot outside [kv_start[b], q_offset]."""
+    x = x.clone()
+    for b in range(x.shape[0]):
+        x[b, :, : int(kv_start[b])] = float("nan")
+        x[b, :, q_offset + 1 :] = float("nan")
+    return x
+
+
+def _paged(x, kv_start, q_offset, page, g):
+    """Scatter the valid rows of a contiguous ``[B, H, N, D]`` cache into random pages of a NaN-filled
+    ``[num_pages, page, H, D]`` cache. Returns (cache, block_table [B, max_pages] int32, seq_lens [B])."""
+    B, H, N, D = x.shape
+    lens = [q_offset + 1 - int(s) for s in kv_start]
+    need = [-(-n // page) for n in lens]
+    total = sum(need) + 3  # spare pages stay NaN
+    perm = torch.randperm(total, generator=g)
+    cache = torch.full((total, page, H, D), float("nan"), dtype=x.dtype)
+    table = torch.full((B, max(need) + 2), total - 1, dtype=torch.int32)  # unused entries point at junk
+    used = 0
+    for b in range(B):
+        table[b, : need[b]] = perm[used : used + need[b]].to(torch.int32)
+        used += need[b]
+        for i in range(lens[b]):
+            cache[table[b, i // page], i % page] = x[b, :, int(kv_start[b]) + i]
+    return cache, table, torch.tensor(lens)
+
+
+def _layout(case, k, v, kv_start, q_offset, seed):
+    """The kernel-side K, V and layout arguments for this case."""
+    page = case[6]
+    if not page:
+        return _poison(k, kv_start, q_offset), _poison(v, kv_start, q_offset), {"kv_start": kv_start, "q_offset": q_offset}
+    g = torch.Generator().manual_seed(seed)
+    kc, table, lens = _paged(k, kv_start, q_offset, page, g)
+    vc, table2, _ = _paged(v, kv_start, q_offset, page, torch.Generator().manual_seed(seed))
+    assert torch.equal(table, table2)
+    return kc, vc, {"block_table": table, "seq_lens": lens}
+
+
+def _nan_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+def _assert_close_to_reference(got, want64, lowp_ref, what):
+    """STYLE.md's rule: error vs fp64 at most 2x the error of the reference rounded to the low precision."""
+    assert got.dtype == lowp_ref.dtype and got.shape == want64.shape
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output (unwritten or stray read)"
+    err = (got.double() - want64).abs().max().item()
+    ref_err = (lowp_ref.double() - want64).abs().max().item()
+    assert err <= 2 * ref_err + 1e-6, f"{what}: max error {err:.3g} > 2 x {ref_err:.3g} (low-precision reference)"
+
+
+def _pooled_reference(q, k, kv_start, q_offset, scale):
+    """Per sequence, the reference's pooled probabilities ``[H, n_b]`` (fp32 math on the low-precision inputs)."""
+    out = []
+    for b in range(q.shape[0]):
+        s = int(kv_start[b])
+        out.append(reference.pooled_decode(q[b].float(), k[b, :, s : q_offset + 1].float(), scale))
+    return out
+
+
+def _check_selection(sel, want, pooled, kv_start, q_offset, paged, what, rtol=1e-4):
+    """Same sets as the reference except where the reference's pooled scores tie the k-th largest within
+    rounding; count, order, range and -1 padding exact."""
+    assert sel.decode and sel.indices.dtype == torch.long
+    assert sel.indices.shape == want.indices.shape, f"{what}: shape {tuple(sel.indices.shape)}"
+    assert torch.equal(sel.row_start, torch.zeros_like(sel.row_start))
+    B, H = sel.indices.shape[:2]
+    for b in range(B):
+        start = int(kv_start[b])
+        n = q_offset + 1 - start
+        kb = BUDGET.decode(n)
+        for h in range(H):
+            row = sel.indices[b, h, 0]
+            assert bool((row[kb:] == -1).all()), f"{what}: seq {b} head {h}: padding is not -1"
+            got = row[:kb]
+            assert bool((got[1:] > got[:-1]).all()), f"{what}: seq {b} head {h}: not strictly ascending"
+            rel = got - (0 if paged else start)
+            assert int(rel.min()) >= 0 and int(rel.max()) < n, f"{what}: seq {b} head {h}: index out of range"
+            ref = want.indices[b, h, 0]
+            ref = set((ref[ref >= 0] - start).tolist())
+            diff = set(rel.tolist()) ^ ref
+            if diff:
+                p = pooled[b][h]
+                kth = p.topk(kb).values[-1]
+                gap = (p[sorted(diff)] - kth).abs().max()
+                assert gap <= rtol * kth, f"{what}: seq {b} head {h}: {len(diff)} keys differ, {gap:.3g} from the k-th"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_decode_kernels_match_reference(case):
+    B, H, G, N, D, dt, page, S = case
+    seed = N * 31 + G
+    q64, k64, v64, kv_start, q_offset = _inputs(case, seed)
+    q, k, v = q64.to(dt), k64.to(dt), v64.to(dt)
+    scale = D**-0.5
+    kk, vv, lay = _layout(case, k, v, kv_start, q_offset, seed)
+    cfg = {} if S is None else {"num_splits": S}
+    pos = {"kv_start": kv_start, "q_offset": q_offset, "backend": "reference"}
+
+    # dense
+    want = dense_attention(q.double(), k.double(), v.double(), **pos)
+    lowp = dense_attention(q, k, v, **pos)
+    got = td.dense_decode(q, kk, vv, scale=scale, out=_nan_like(q), **lay, **cfg)
+    _assert_close_to_reference(got, want, lowp, "dense")
+
+    # sparse over the reference's selection (varied k_b: rows padded with -1)
+    ref_sel = select(q, k, budget=BUDGET, **pos)
+    want = sparse_attention(q.double(), k.double(), v.double(), ref_sel, **pos)
+    lowp = sparse_attention(q, k, v, ref_sel, **pos)
+    idx = ref_sel.indices
+    if page:
+        idx = torch.where(idx >= 0, idx - kv_start[:, None, None, None], -1)
+    for idt in (torch.int32, torch.int64):
+        got = td.sparse_decode(q, kk, vv, idx.to(idt), scale=scale, out=_nan_like(q), **({"block_table": lay["block_table"]} if page else {}), **cfg)
+        _assert_close_to_reference(got, want, lowp, f"sparse {idt}")
+
+    # selection, both methods, and the fused layer-0 / anchor paths
+    pooled = _pooled_reference(q, k, kv_start, q_offset, scale)
+    for method in ("radix", "topk"):
+        sel = td.select_decode(q, kk, budget=BUDGET, scale=scale, method=method, **lay, **cfg)
+        _check_selection(sel, ref_sel, pooled, kv_start, q_offset, bool(page), f"select/{method}")
+
+    want_dense = dense_attention(q.double(), k.double(), v.double(), **pos)
+    out0, sel0 = td.dense_select_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay, **cfg)
+    _assert_close_to_reference(out0, want_dense, dense_attention(q, k, v, **pos), "layer 0 output")
+    _check_selection(sel0, ref_sel, pooled, kv_start, q_offset, bool(page), "layer 0 selection")
+
+    out_a, sel_a = td.anchor_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay)
+    _check_selection(sel_a, ref_sel, pooled, kv_start, q_offset, bool(page), "anchor selection")
+    # the anchor's output over its own selection, which may differ from the reference's only at ties
+    sel_abs = sel_a if not page else type(sel_a)(
+        torch.where(sel_a.indices >= 0, sel_a.indices + kv_start[:, None, None, None], -1), sel_a.row_start,
+        sel_a.tile, True)
+    want = sparse_attention(q.double(), k.double(), v.double(), sel_abs, **pos)
+    _assert_close_to_reference(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
+
+
+def test_radix_selection_breaks_exact_ties_by_position():
+    """Scores drawn from four levels, so the pooled probabilities tie exactly, across several selection chunks:
+    the radix select keeps every key above the k-th value and the earliest keys equal to it."""
+    B, H, G, D = 2, 2, 3, 64
+    n = [700, 333]
+    g = torch.Generator().manual_seed(3)
+    meta = td.decode_meta(B, device="cpu", kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
+    levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
+    sc = levels[torch.randint(0, 4, (B, H * G, 700), generator=g)]
+    sc[:, :, :] = sc[:, :1, :]  # every head of a group scores alike: pooled = G x one head's probabilities
+    mx = sc.amax(-1, keepdim=True)
+    ls = torch.exp2(sc - mx).sum(-1, keepdim=True)
+    for b in range(B):  # sequence 1 has only n[1] valid keys: its statistics cover those
+        mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
+        ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
+    hist = torch.zeros(B * H, td._NHIST, dtype=torch.int32)
+    sel = td._select_from_scores(sc.contiguous(), mx.contiguous(), ls.contiguous(), hist, 1, meta, B, H, G, BUDGET,
+                                 "radix", ch=64)
+    for b in range(B):
+        kb = BUDGET.decode(n[b])
+        s = sc[b, 0, : n[b]]
+        order = torch.sort(-s, stable=True).indices[:kb]  # higher level first, then earlier position
+        want = order.sort().values + (700 - n[b] if b else 0)
+        for h in range(H):
+            assert torch.equal(sel.indices[b, h, 0, :kb], want), f"seq {b} head {h}"
+            assert bool((sel.indices[b, h, 0, kb:] == -1).all())
+
+
+def test_selection_covers_large_rows_and_many_chunks():
+    """More keys than one selection chunk (4096), so the cross-chunk prefix and three radix levels all matter;
+    G = 5 and a budget of exactly k_min on the short sequence."""
+    B, H, G, N, D = 2, 1, 5, 9001, 64
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H * G, 1, D, generator=g).to(torch.float16)
+    k = torch.randn(B, H, N, D, generator=g).to(torch.float16)
+    kv_start = torch.tensor([0, N - 300])
+    budget = Budget(ratio=0.1, k_min=128)
+    scale = D**-0.5
+    want = select(q, k, budget=budget, kv_start=kv_start, q_offset=N - 1)
+    pooled = _pooled_reference(q, k, kv_start, N - 1, scale)
+    for method in ("radix", "topk"):
+        sel = td.select_decode(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=N - 1, method=method)
+        assert sel.indices.shape == want.indices.shape
+        for b in range(B):
+            kb = budget.decode(N - int(kv_start[b]))
+            got = sel.indices[b, 0, 0]
+            assert bool((got[kb:] == -1).all()) and bool((got[1:kb] > got[: kb - 1]).all())
+            ref = want.indices[b, 0, 0]
+            diff = set(got[:kb].tolist()) ^ set(ref[ref >= 0].tolist())
+            if diff:
+                rel = torch.tensor(sorted(diff)) - int(kv_start[b])
+                kth = pooled[b][0].topk(kb).values[-1]
+                assert (pooled[b][0][rel] - kth).abs().max() <= 1e-4 * kth, f"{method} seq {b}: {len(diff)} differ"
