@@ -171,7 +171,7 @@ class KascadeHandle:
     def __init__(self, model, runtime: KascadeRuntime, previous_impl: str, modules):
         self.model = model
         self.runtime = runtime
-        self.plan = runtime.plan
+        self.plan = getattr(runtime, "plan", None)
         self._previous_impl = previous_impl
         self._modules = modules
         self.active = True
@@ -192,15 +192,8 @@ class KascadeHandle:
         self.disable()
 
 
-def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference") -> KascadeHandle:
-    """Route every attention layer of ``model`` through Kascade with ``plan``.
-
-    ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
-    uniform plan (with a warning). Use as ``with kascade.enable(model): ...`` or keep the handle and call
-    ``kascade.disable(model)``.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+def check_supported(model) -> None:
+    """Raise TypeError / ValueError (naming the problem) if Kascade cannot serve ``model`` exactly."""
     if getattr(model, "_kascade_handle", None) is not None:
         raise RuntimeError("Kascade is already enabled on this model; disable it first")
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
@@ -212,6 +205,18 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     if not layer_types and getattr(cfg, "sliding_window", None) is not None:
         raise ValueError(f"this model uses sliding-window attention (sliding_window={cfg.sliding_window}), which Kascade "
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")
+
+
+def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference") -> KascadeHandle:
+    """Route every attention layer of ``model`` through Kascade with ``plan``.
+
+    ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
+    uniform plan (with a warning). Use as ``with kascade.enable(model): ...`` or keep the handle and call
+    ``kascade.disable(model)``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    check_supported(model)
     if plan is None:
         plan = default_plan(model)
     if not isinstance(plan, KascadePlan):
@@ -220,6 +225,13 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     if not plan.calibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
                       "calibrated one (see `kascade calibrate`)", stacklevel=2)
+    return attach(model, KascadeRuntime(plan, backend))
+
+
+def attach(model, runtime) -> KascadeHandle:
+    """Route ``model``'s attention to ``runtime.attend(layer, q, k, v, mask, scale)`` (the mechanism under
+    :func:`enable`; calibration attaches its statistics recorder the same way)."""
+    check_supported(model)
     modules = attention_modules(model)
     if not type(model)._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
@@ -230,7 +242,6 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(previous)
         raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
-    runtime = KascadeRuntime(plan, backend)
     for m in modules:
         m._kascade_runtime = runtime
     handle = KascadeHandle(model, runtime, previous, modules)

@@ -1,0 +1,147 @@
+"""Calibration statistics, streamed layer by layer during dense forward passes.
+
+For each development window the model runs densely; in each layer ``b`` the recorder forms the pooled
+probabilities ``P[b, h, t, :]`` tile by tile (the same pooling the anchors use, from
+:func:`kascade.ops.reference.iter_pooled_prefill`), keeps only their top-k index sets ``I[b, h, t]``
+(``[layers, H, tiles, k]``, small) and turns them into the similarity of every earlier layer ``a``:
+
+    sim_t(a, ha; b, hb) = (sum_{i in I[a, ha, t]} P[b, hb, t, i] + own_b) / (sum_{i in I[b, hb, t]} P[b, hb, t, i] + own_b)
+
+with ``own_b`` the mass layer ``b``'s head ``hb`` puts on the tile's own keys. The minimum over tiles (tiles with
+fewer than k earlier keys left out) is taken per window; windows are averaged. Importance
+``imp(b) = 1 - cos(x_b, x_b + attn_out_b)`` is averaged over tokens and windows, from hooks on the decoder layers.
+No layer's probabilities outlive its attention call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.reference import _math_dtype, iter_pooled_prefill
+
+
+@dataclass
+class CalibrationStats:
+    """similarity: ``[L, L, H, H]`` indexed ``[a, b, hb, ha]`` (defined for ``a < b``); importance ``[L]``."""
+
+    similarity: torch.Tensor
+    importance: torch.Tensor
+    windows: int
+    seq_len: int
+    k: int
+    tile: int
+
+    def layer_similarity(self) -> torch.Tensor:
+        """``sim(a, b) = mean_hb max_ha S[a, b, hb, ha]`` for ``a < b``; 1 on the diagonal; 0 below it."""
+        L = self.similarity.shape[0]
+        s = self.similarity.max(-1).values.mean(-1)
+        s = torch.triu(s, diagonal=1)
+        return s + torch.eye(L, dtype=s.dtype)
+
+    def head_map(self, anchor: int, layer: int) -> tuple[int, ...]:
+        """For reuse ``layer`` following ``anchor``: ``argmax_ha S[anchor, layer, hb, ha]`` per KV head ``hb``."""
+        if anchor == layer:
+            return tuple(range(self.similarity.shape[-1]))
+        return tuple(int(x) for x in self.similarity[anchor, layer].argmax(-1))
+
+    def to_dict(self) -> dict:
+        return dict(similarity=self.similarity.tolist(), importance=self.importance.tolist(), windows=self.windows,
+                    seq_len=self.seq_len, k=self.k, tile=self.tile)
+
+
+def window_similarity(pooled_chunks, num_layers: int, layer: int, index_sets: torch.Tensor, k: int, tile: int):
+    """Similarity of all earlier layers to ``layer`` for one window, from its pooled probabilities.
+
+    ``pooled_chunks`` yields ``(t0, P [H, c, m])`` like :func:`iter_pooled_prefill` over all tiles of the window
+    (from tile 0). ``index_sets [num_layers, H, tiles, k]`` holds earlier layers' sets; this layer's are written
+    into it. Returns ``[layer, H(hb), H(ha)]``: the minimum over tiles with at least ``k`` earlier keys (NaN-free;
+    +inf where no tile qualifies).
+    """
+    H = index_sets.shape[1]
+    smin = None
+    for t0, P in pooled_chunks:
+        c, m = P.shape[1], P.shape[2]
+        s = (torch.arange(t0, t0 + c, device=P.device) * tile)[:, None]  # [c, 1] first position of each tile
+        pos = torch.arange(m, device=P.device)[None, :]
+        own = P.masked_fill((pos < s) | (pos >= s + tile), 0).sum(-1)  # [H, c]
+        cand = P.masked_fill(pos >= s, float("-inf"))
+        kk = min(k, m)
+        idx = cand.topk(kk, dim=-1).indices  # [H, c, kk]; tiles with s < k are dropped below
+        index_sets[layer, :, t0 : t0 + c, :kk] = idx
+        den = P.gather(-1, idx).sum(-1) + own  # [H, c]
+        valid = s[:, 0] >= k  # [c]
+        if layer > 0:
+            prev = index_sets[:layer, :, t0 : t0 + c]  # [A, Ha, c, k]
+            A = prev.shape[0]
+            flat = prev.permute(2, 0, 1, 3).reshape(1, c, A * H * k).expand(H, c, A * H * k)
+            num = P.gather(-1, flat).view(H, c, A, H, k).sum(-1) + own[:, :, None, None]  # [Hb, c, A, Ha]
+            sim = num / den[:, :, None, None]
+            sim = sim.masked_fill(~valid[None, :, None, None], float("inf")).amin(1)  # [Hb, A, Ha]
+            sim = sim.permute(1, 0, 2)  # [A, Hb, Ha]
+            smin = sim if smin is None else torch.minimum(smin, sim)
+    return smin
+
+
+class StatsRecorder:
+    """Attention runtime for :func:`kascade.integration.hf.attach`: dense outputs, calibration statistics."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, k: int, tile: int):
+        self.L, self.H, self.k, self.tile = num_layers, num_kv_heads, k, tile
+        self.sim_sum = torch.zeros(num_layers, num_layers, num_kv_heads, num_kv_heads, dtype=torch.float64)
+        self.sim_count = torch.zeros(num_layers, num_layers, dtype=torch.float64)
+        self.imp_sum = torch.zeros(num_layers, dtype=torch.float64)
+        self.imp_count = torch.zeros(num_layers, dtype=torch.float64)
+        self.windows = 0
+        self._index_sets = None
+        self._x = {}
+
+    # -- the attention function ------------------------------------------------------------------------------
+    def attend(self, layer, q, k, v, mask, scale):
+        B, HQ, L, D = q.shape
+        N = k.shape[2]
+        if B != 1 or L != N or mask is not None and getattr(mask, "valid", None) is not None:
+            raise ValueError("calibration runs one unpadded window at a time, without a KV cache")
+        scale = D**-0.5 if scale is None else scale
+        md = _math_dtype(q.dtype)
+        qb, kb = q[0].to(md), k[0].to(md)
+        if layer == 0:
+            tiles = (N + self.tile - 1) // self.tile
+            self._index_sets = torch.zeros(self.L, self.H, tiles, self.k, dtype=torch.long, device=q.device)
+            self.windows += 1
+        chunks = iter_pooled_prefill(qb, kb, scale, self.tile)
+        smin = window_similarity(chunks, self.L, layer, self._index_sets, self.k, self.tile)
+        if smin is not None and bool(torch.isfinite(smin).all()):
+            self.sim_sum[:layer, layer] += smin.double().cpu()
+            self.sim_count[:layer, layer] += 1
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    # -- importance hooks --------------------------------------------------------------------------------------
+    def layer_input_hook(self, layer):
+        def hook(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            self._x[layer] = x
+
+        return hook
+
+    def attn_output_hook(self, layer):
+        def hook(module, args, output):
+            x = self._x.pop(layer).float()
+            o = (output[0] if isinstance(output, tuple) else output).float()
+            cos = F.cosine_similarity(x, x + o, dim=-1)  # [B, L]
+            self.imp_sum[layer] += (1 - cos).sum().double().cpu()
+            self.imp_count[layer] += cos.numel()
+
+        return hook
+
+    def result(self, seq_len: int) -> CalibrationStats:
+        if self.windows == 0:
+            raise ValueError("no calibration window was recorded")
+        cnt = self.sim_count.clamp_min(1)[:, :, None, None]
+        return CalibrationStats(
+            similarity=(self.sim_sum / cnt).float(),
+            importance=(self.imp_sum / self.imp_count.clamp_min(1)).float(),
+            windows=self.windows, seq_len=seq_len, k=self.k, tile=self.tile,
+        )
