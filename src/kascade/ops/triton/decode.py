@@ -38,6 +38,8 @@ LOG2E = 1.4426950408889634
 # Radix selection on the bit pattern of the (non-negative) fp32 pooled probabilities: 12 + 12 + 7 bits.
 _NB1, _NB2, _NB3 = 4096, 4096, 128
 _NHIST = _NB1 + _NB2 + _NB3
+# Keys per program in the selection passes.
+SELECT_CHUNK = 4096
 
 
 def _interpreting() -> bool:
@@ -393,10 +395,14 @@ def _default_block(D: int) -> tuple[int, int]:
     return (64, 4) if D <= 128 else (32, 4)
 
 
-def _splits(rows: int, n: int, block_n: int, device, num_splits=None) -> tuple[int, int]:
+# Split-K aims at this many programs per multiprocessor (the benchmark sweeps it).
+PROGRAMS_PER_SM = 4
+
+
+def _splits(rows: int, n: int, block_n: int, device, num_splits=None, programs_per_sm=None) -> tuple[int, int]:
     """(splits, keys per split): enough programs to fill the GPU, each a whole number of blocks."""
     if num_splits is None:
-        want = max(1, triton.cdiv(4 * _num_sms(device), rows))
+        want = max(1, triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * _num_sms(device), rows))
         num_splits = max(1, min(want, triton.cdiv(n, 2 * block_n)))
     per = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
     return triton.cdiv(n, per), per
@@ -420,14 +426,14 @@ def _heads(q, k, block_table):
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
-               num_splits=None, block_n=None, num_warps=None, num_stages=None):
+               num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
     """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     bn, nw = _default_block(D)
     bn = block_n or bn
     nw = num_warps or nw
-    S, per = _splits(B * H, n_keys, bn, dev, num_splits)
+    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm)
     direct = S == 1
     f32 = _interpreting() or q.dtype == torch.float32
     rne = _interpreting() and q.dtype == torch.bfloat16
@@ -500,7 +506,7 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
     dev = Sc.device
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
-    ch = ch or min(4096, triton.next_power_of_2(meta.n_max))
+    ch = ch or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     C = triton.cdiv(meta.n_max, ch)
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
@@ -520,7 +526,7 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
     else:
         assert method == "topk", method
         top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
-        kb = torch.tensor(meta.k, device=dev)
+        kb = meta.tensor[:, 2].long()  # on the device: no host copy, so this path can be captured in a graph
         keep = torch.arange(KMAX, device=dev)[None, :] < kb[:, None]  # [B, KMAX]
         big = torch.iinfo(torch.long).max
         top = torch.where(keep[:, None, :], top, big).sort(-1).values
@@ -531,7 +537,7 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
 
 
 def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", **cfg) -> Selection:
+                  meta=None, method="radix", chunk=None, **cfg) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
     the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores)."""
@@ -540,17 +546,17 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     assert meta.k is not None, "meta built without a budget"
     _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
                                         sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
-    return _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method)
+    return _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk)
 
 
 def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
-                        seq_lens=None, meta=None, method="radix", out=None, **cfg):
+                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, **cfg):
     """Layer 0: the dense output and the selection from one pass over K and V. ``-> (out, Selection)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     out, Mx, Ls, Sc, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale, n_keys=meta.n_max,
                                           sparse=False, has_v=True, write_scores=True, sc_row=meta.n_max, **cfg)
-    return out, _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method)
+    return out, _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,

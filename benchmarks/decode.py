@@ -1,0 +1,374 @@
+"""Decode attention per layer: dense vs Kascade's layer 0, anchor and reuse layers (Triton kernels), one GPU call.
+
+    python benchmarks/decode.py [--out DIR] [--quick] [--no-tune]
+
+1. Checks every kernel against the reference ops on small random cases (contiguous and paged, varied lengths).
+2. Measures the device-to-device copy bandwidth (the ceiling for memory-bound kernels).
+3. Sweeps a few launch configurations of the split-K and selection kernels on representative shapes and keeps the
+   fastest (printed; the defaults in kascade/ops/triton/decode.py come from such a sweep).
+4. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, 10 % budget
+   (Budget(ratio=0.1, k_min=128)), B in {1, 8, 32}, N in {8K, 32K, 128K, 512K} (where memory allows): per-layer
+   times of dense (the faster of SDPA(enable_gqa=True) and our split-K kernel), layer 0 (dense output + selection),
+   anchor (selection + sparse), reuse (sparse), and the model average for 5 anchors of 32 layers
+   (1 layer 0 + 4 anchors + 27 reuse layers).
+
+Timing: triton.testing.do_bench(return_mode="median"), which flushes the L2 before every timed call; every op is
+captured in a CUDA graph and the graph replay is timed (how a serving engine runs decode: launch gaps between the
+small kernels are then the GPU's, not Python's). Eager times of the main ops are recorded too.
+Writes JSON to docs/benchmarks/decode.json, or under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kascade.budget import Budget  # noqa: E402
+from kascade.ops import dense_attention, select, sparse_attention  # noqa: E402
+from kascade.ops.triton import decode as td  # noqa: E402
+
+BUDGET = Budget(ratio=0.1, k_min=128)
+MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+DT = torch.bfloat16
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Correctness on small cases
+# ----------------------------------------------------------------------------------------------------------------
+def _paged(x, kv_start, q_offset, page, gen):
+    B, H, N, D = x.shape
+    lens = [q_offset + 1 - int(s) for s in kv_start]
+    need = [-(-n // page) for n in lens]
+    total = sum(need) + 2
+    perm = torch.randperm(total, generator=gen).to(x.device)
+    cache = torch.full((total, page, H, D), float("nan"), dtype=x.dtype, device=x.device)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32, device=x.device)
+    used = 0
+    for b in range(len(lens)):
+        table[b, : need[b]] = perm[used : used + need[b]].int()
+        used += need[b]
+        rows = x[b, :, int(kv_start[b]) : q_offset + 1].transpose(0, 1)  # [n, H, D]
+        pad = need[b] * page - lens[b]
+        rows = torch.cat([rows, rows.new_full((pad, H, D), float("nan"))])
+        cache[table[b, : need[b]].long()] = rows.view(need[b], page, H, D)
+    return cache, table, torch.tensor(lens)
+
+
+def check(dev):
+    """Every kernel vs the reference; returns a list of result rows and raises on a failure."""
+    rows = []
+    for (HQ, H, D), N, page in (((32, 8, 128), 5001, 0), ((9, 3, 64), 3333, 0), ((32, 8, 128), 4099, 64),
+                                ((16, 2, 256), 2049, 16)):
+        gen = torch.Generator().manual_seed(N)
+        B = 3
+        q = torch.randn(B, HQ, 1, D, generator=gen).to(DT).to(dev)
+        k = torch.randn(B, H, N, D, generator=gen).to(DT).to(dev)
+        v = torch.randn(B, H, N, D, generator=gen).to(DT).to(dev)
+        kv_start = torch.tensor([0, 1000, 2500 if N > 3000 else 1500])
+        qo = N - 1
+        scale = D**-0.5
+        pos = dict(kv_start=kv_start, q_offset=qo)
+        if page:
+            kc, table, lens = _paged(k, kv_start, qo, page, torch.Generator().manual_seed(N + 1))
+            vc, table_v, _ = _paged(v, kv_start, qo, page, torch.Generator().manual_seed(N + 1))  # same pages
+            assert torch.equal(table, table_v)
+            lay = dict(block_table=table, seq_lens=lens)
+            kk, vv = kc, vc
+        else:
+            lay, kk, vv = pos, k, v
+        res = {"HQ": HQ, "H": H, "D": D, "N": N, "paged": page}
+
+        def err(got, want64, lowp):
+            e = (got.double() - want64).abs().max().item()
+            r = (lowp.double() - want64).abs().max().item()
+            assert not torch.isnan(got).any()
+            return e, r
+
+        want = dense_attention(q.double(), k.double(), v.double(), **pos)
+        res["dense"] = err(td.dense_decode(q, kk, vv, scale=scale, **lay), want, dense_attention(q, k, v, **pos))
+        rsel = select(q, k, budget=BUDGET, **pos)
+        idx = rsel.indices if not page else torch.where(rsel.indices >= 0,
+                                                         rsel.indices - kv_start.to(dev)[:, None, None, None], -1)
+        want = sparse_attention(q.double(), k.double(), v.double(), rsel, **pos)
+        res["sparse"] = err(td.sparse_decode(q, kk, vv, idx, scale=scale, block_table=lay.get("block_table")),
+                            want, sparse_attention(q, k, v, rsel, **pos))
+        for method in ("radix", "topk"):
+            sel = td.select_decode(q, kk, budget=BUDGET, scale=scale, method=method, **lay)
+            got = sel.indices if not page else torch.where(sel.indices >= 0,
+                                                            sel.indices + kv_start.to(dev)[:, None, None, None], -1)
+            assert got.shape == rsel.indices.shape
+            same = (got.sort(-1).values == rsel.indices.sort(-1).values).all(-1).float().mean().item()
+            res[f"select_{method}_rows_identical"] = same
+            # rows that differ must differ only at near-ties of the reference's pooled scores
+            worst = 0.0
+            for b in range(B):
+                s = int(kv_start[b])
+                p = torch.einsum("hgd,hkd->hgk", q[b].float().view(H, HQ // H, D), k[b, :, s:].float()).mul(scale)
+                p = p.softmax(-1).sum(1)
+                kb = BUDGET.decode(N - s)
+                kth = p.topk(kb, -1).values[:, -1]
+                for h in range(H):
+                    a = set(got[b, h, 0][got[b, h, 0] >= 0].tolist())
+                    r = set(rsel.indices[b, h, 0][rsel.indices[b, h, 0] >= 0].tolist())
+                    d = sorted(a ^ r)
+                    if d:
+                        gap = ((p[h, torch.tensor(d, device=dev) - s] - kth[h]).abs().max() / kth[h]).item()
+                        worst = max(worst, gap)
+            res[f"select_{method}_worst_rel_gap"] = worst
+            assert worst <= 1e-4, (res, method)
+        for name in ("dense", "sparse"):
+            e, r = res[name]
+            assert e <= 2 * r + 1e-6, (name, res)
+        rows.append(res)
+        log(f"check ok: {res}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing helpers
+# ----------------------------------------------------------------------------------------------------------------
+def graphed(fn):
+    """Capture fn in a CUDA graph (after a warm-up call that compiles); return the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def bench(fn, graph=True):
+    f = graphed(fn) if graph else fn
+    if not graph:
+        fn()
+    return do_bench(f, warmup=10, rep=60, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth(dev):
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    t = do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median") * 1e-3
+    del x, y
+    return 2 * (2 << 30) / t / 1e12
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One shape
+# ----------------------------------------------------------------------------------------------------------------
+def make(B, HQ, H, N, D, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(B, HQ, 1, D, generator=g, device=dev, dtype=DT)
+    k = torch.randn(B, H, N, D, generator=g, device=dev, dtype=DT)
+    v = torch.randn(B, H, N, D, generator=g, device=dev, dtype=DT)
+    return q, k, v
+
+
+def measure(B, HQ, H, N, D, dev, cfg, eager=True):
+    q, k, v = make(B, HQ, H, N, D, dev)
+    scale = D**-0.5
+    meta = td.decode_meta(B, device=dev, q_offset=N - 1, budget=BUDGET)
+    kb = meta.k_max
+    sc, rc, ch = cfg["split"], cfg["sparse"], cfg["chunk"]
+    sel = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc)
+    idx64 = sel.indices
+    idx32 = idx64.to(torch.int32)
+    out = torch.empty_like(q)
+
+    t = {}
+    t["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True))
+    t["dense_ours"] = bench(lambda: td.dense_decode(q, k, v, scale=scale, meta=meta, out=out, **sc))
+    t["dense"] = min(t["sdpa"], t["dense_ours"])
+    t["reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
+    t["reuse_int32"] = bench(lambda: td.sparse_decode(q, k, v, idx32, scale=scale, out=out, **rc))
+    t["score_only"] = bench(lambda: td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
+                                                  sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max,
+                                                  **sc))
+    t["select_radix"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
+    t["select_topk"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method="topk",
+                                                      **sc))
+    t["select"] = min(t["select_radix"], t["select_topk"])
+    method = "radix" if t["select_radix"] <= t["select_topk"] else "topk"
+
+    def anchor():
+        s = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method=method, chunk=ch, **sc)
+        td.sparse_decode(q, k, v, s.indices, scale=scale, out=out, **rc)
+
+    def layer0_fused():
+        td.dense_select_decode(q, k, v, budget=BUDGET, scale=scale, meta=meta, method=method, out=out, chunk=ch, **sc)
+
+    def layer0_sdpa():
+        F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method=method, chunk=ch, **sc)
+
+    t["anchor"] = bench(anchor)
+    t["layer0_fused"] = bench(layer0_fused)
+    t["layer0_sdpa_select"] = bench(layer0_sdpa)
+    t["layer0"] = min(t["layer0_fused"], t["layer0_sdpa_select"])
+    if eager:
+        t["eager_sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), False)
+        t["eager_reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc), False)
+        t["eager_anchor"] = bench(anchor, False)
+    kv_bytes = 2 * B * H * N * D * 2
+    gathered = 2 * B * H * kb * D * 2
+    r = {
+        "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method, "times_us": t,
+        "dense_TBps": kv_bytes / (t["dense"] * 1e-6) / 1e12,
+        "reuse_gathered_TBps": gathered / (t["reuse"] * 1e-6) / 1e12,
+        "score_TBps": kv_bytes / 2 / (t["score_only"] * 1e-6) / 1e12,
+        "reuse_x": t["reuse"] / t["dense"], "anchor_x": t["anchor"] / t["dense"], "layer0_x": t["layer0"] / t["dense"],
+    }
+    r["model_speedup"] = 32 * t["dense"] / (t["layer0"] + 4 * t["anchor"] + 27 * t["reuse"])
+    del q, k, v
+    return r
+
+
+def tune(dev):
+    """Sweep launch parameters on representative Llama shapes; return the best and the full sweep."""
+    shapes = [(1, 32, 8, 131072, 128), (8, 32, 8, 32768, 128), (32, 32, 8, 32768, 128)]
+    sweep = {"sparse": [], "split": [], "chunk": []}
+    data = []
+    for B, HQ, H, N, D in shapes:
+        q, k, v = make(B, HQ, H, N, D, dev, seed=1)
+        meta = td.decode_meta(B, device=dev, q_offset=N - 1, budget=BUDGET)
+        sel = td.select_decode(q, k, budget=BUDGET, scale=D**-0.5, meta=meta)
+        data.append((q, k, v, meta, sel.indices))
+    out = None
+
+    def total(fn):
+        return sum(bench(lambda: fn(*d)) for d in data)
+
+    best = {}
+    for name, run in (
+        ("sparse", lambda c, ppsm: (lambda q, k, v, meta, idx: td.sparse_decode(q, k, v, idx, scale=0.1, **c))),
+        ("split", lambda c, ppsm: (lambda q, k, v, meta, idx: td.dense_decode(q, k, v, scale=0.1, meta=meta, **c))),
+    ):
+        res = []
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                for ns in (1, 3):
+                    for ppsm in (2, 4, 8):
+                        c = {"block_n": bn, "num_warps": nw, "num_stages": ns, "programs_per_sm": ppsm}
+                        try:
+                            us = total(run(c, ppsm))
+                        except Exception as e:  # a config that does not compile (shared memory) is skipped
+                            log(f"tune {name} {c} ppsm={ppsm}: {type(e).__name__}")
+                            continue
+                        res.append((us, c, ppsm))
+                        sweep[name].append({"cfg": c, "programs_per_sm": ppsm, "sum_us": us})
+        res.sort(key=lambda x: x[0])
+        best[name] = res[0]
+        log(f"tune {name}: best {res[0]}, worst {res[-1]}")
+    for chs in (1024, 2048, 4096, 8192):
+        us = total(lambda q, k, v, meta, idx: td.select_decode(q, k, budget=BUDGET, scale=0.1, meta=meta, chunk=chs,
+                                                                **best["split"][1]))
+        sweep["chunk"].append({"chunk": chs, "sum_us": us})
+    best_chunk = min(sweep["chunk"], key=lambda x: x["sum_us"])["chunk"]
+    log(f"tune chunk: {sweep['chunk']}")
+    del data
+    torch.cuda.empty_cache()
+    return best, best_chunk, sweep
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--no-tune", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    header = {
+        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "budget": {"ratio": BUDGET.ratio, "k_min": BUDGET.k_min}, "dtype": "bf16",
+    }
+    log(f"# {header}")
+    t0 = time.time()
+    checks = check(dev)
+    log(f"checks passed in {time.time() - t0:.1f}s")
+    header["copy_TBps"] = copy_bandwidth(dev)
+    log(f"device copy bandwidth (read + write): {header['copy_TBps']:.2f} TB/s")
+
+    cfg = {"split": {}, "sparse": {}, "chunk": None}
+    sweep = None
+    if not args.no_tune:
+        best, best_chunk, sweep = tune(dev)
+        cfg = {"split": best["split"][1], "sparse": best["sparse"][1], "chunk": best_chunk}
+        log(f"using {cfg}")
+    header["config"] = cfg
+
+    free = torch.cuda.mem_get_info()[0]
+    rows = []
+    out_dir = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write():  # after every shape, so that a run cut short keeps what it measured
+        result = {"header": header, "checks": checks, "rows": rows, "sweep": sweep}
+        (out_dir / "decode.json").write_text(json.dumps(result, indent=1))
+
+    Ns = [8192, 32768, 131072, 524288]
+    Bs = [1, 8, 32]
+    if args.quick:
+        Ns, Bs = [32768, 131072], [1, 8]
+    for model, (HQ, H, D) in MODELS.items():
+        for B in Bs:
+            for N in Ns:
+                need = 2 * B * H * N * D * 2 + B * HQ * N * 4 * 2 + B * H * N * 4 * 2
+                if need > 0.8 * free:
+                    log(f"skip {model} B={B} N={N}: {need / 2**30:.0f} GiB")
+                    continue
+                r = measure(B, HQ, H, N, D, dev, cfg)
+                r["model"] = model
+                rows.append(r)
+                t = r["times_us"]
+                log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
+                    f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
+                    f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
+                    f"-> model {r['model_speedup']:.2f}x")
+                write()
+                torch.cuda.empty_cache()
+
+    write()
+
+    lines = [
+        f"GPU {header['gpu']} ({header['sms']} SMs), torch {header['torch']}, triton {header['triton']}, "
+        f"CUDA {header['cuda']}, bf16, Budget(ratio=0.1, k_min=128), copy {header['copy_TBps']:.2f} TB/s",
+        "times in us (CUDA-graph replay, do_bench median, L2 flushed); x = ratio to dense in the same run",
+        "| model | B | N | dense (SDPA / ours) | layer 0 | anchor | reuse | reuse x | anchor x | select radix / topk / score"
+        " | reuse TB/s gathered | model avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["times_us"]
+        lines.append(
+            f"| {r['model']} | {r['B']} | {r['N'] // 1024}K | {t['dense']:.1f} ({t['sdpa']:.1f} / {t['dense_ours']:.1f}) "
+            f"| {t['layer0']:.1f} | {t['anchor']:.1f} | {t['reuse']:.1f} | {r['reuse_x']:.3f} | {r['anchor_x']:.3f} "
+            f"| {t['select_radix']:.1f} / {t['select_topk']:.1f} / {t['score_only']:.1f} | {r['reuse_gathered_TBps']:.2f} "
+            f"| {r['model_speedup']:.2f}x |")
+    table = "\n".join(lines)
+    (out_dir / "decode.md").write_text(table + "\n")
+    log(table)
+
+
+if __name__ == "__main__":
+    main()
