@@ -1,0 +1,67 @@
+"""`kascade calibrate` end to end on the default model at tiny settings, and its input errors."""
+
+import json
+
+import pytest
+
+from kascade.cli import main
+
+
+@pytest.mark.model
+def test_calibrate_end_to_end(tmp_path, default_model, monkeypatch, capsys):
+    import kascade.calibrate.run as run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)  # loaded once per session
+    out = tmp_path / "cal"
+    rc = main(["calibrate", "--seq-len", "300", "--samples", "2", "--anchors", "4", "--max-anchors", "5",
+               "--out", str(out)])
+    assert rc == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["anchors"][0] == 0 and len(plan["anchors"]) == 4 and plan["calibrated"]
+    assert (out / "similarity.png").stat().st_size > 1000 and (out / "importance.png").stat().st_size > 1000
+    rows = (out / "objective.csv").read_text().splitlines()
+    assert len(rows) == 1 + 5
+    printed = capsys.readouterr().out
+    assert "<- chosen" in printed
+
+
+@pytest.mark.model
+def test_calibrate_target_agreement(tmp_path, default_model, monkeypatch):
+    import kascade.calibrate.run as run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    out = tmp_path / "cal"
+    rc = main(["calibrate", "--seq-len", "300", "--samples", "1", "--holdout", "1", "--target-agreement", "0.5",
+               "--max-anchors", "4", "--out", str(out)])
+    assert rc == 0
+    rows = [r.split(",") for r in (out / "objective.csv").read_text().splitlines()[1:]]
+    measured = [r for r in rows if r[4]]
+    assert measured and float(measured[-1][4]) >= 0.5
+
+
+def _bad(tmp_path, monkeypatch, default_model, argv, capsys):
+    import kascade.calibrate.run as run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    rc = main(["calibrate", "--out", str(tmp_path / "x"), *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"text": "a b c"}\n{"body": "x"}\n')
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "only a few words"}\n')
+    cases = [
+        (["--data", str(empty)], "empty"),
+        (["--data", str(nofield), "--samples", "2"], "nofield.jsonl:2: no 'text' field"),
+        (["--data", str(short), "--samples", "1", "--seq-len", "200"], "at least 65"),
+        (["--anchors", "31"], "--anchors must be in 1..30"),
+        (["--seq-len", "40"], "too short"),
+    ]
+    for argv, needle in cases:
+        rc, err = _bad(tmp_path, monkeypatch, default_model, argv, capsys)
+        assert rc == 2 and needle in err, (argv, err)
