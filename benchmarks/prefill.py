@@ -1,0 +1,288 @@
+"""Prefill attention per layer: dense baselines vs Kascade's layer 0, anchor and reuse layers (Triton), one GPU call.
+
+    python benchmarks/prefill.py [--out DIR] [--ns 8192,32768,65536,131072] [--no-sweep] [--no-flex]
+
+1. Checks every Triton prefill kernel against the reference ops on small random cases (varied lengths, chunked
+   prefill offset, G = 4 and 3, D = 128 and 64, bf16).
+2. Optionally sweeps a few launch configurations of the dense, scoring and sparse kernels at N = 32K (printed).
+3. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, B = 1,
+   Budget(ratio=0.1, k_min=128, tile=32), N in --ns: per-layer times of dense cuDNN SDPA (the baseline), SDPA
+   flash, FlexAttention (compiled; N <= 32K), our dense kernel, layer 0 (dense + LSE, then selection), anchor
+   (selection with its own LSE pass, then sparse), reuse (sparse over the anchor's selection), and the model
+   average for 5 anchors of 32 layers (1 layer 0 + 4 anchors + 27 reuse layers); peak extra memory of the anchor
+   path (beyond inputs and the returned indices, which are reported on their own).
+
+Timing: triton.testing.do_bench(return_mode="median") after a warm-up. Ratios are against cuDNN in the same run.
+Writes JSON to --out (default docs/benchmarks/prefill.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kascade.budget import Budget  # noqa: E402
+from kascade.ops import reference  # noqa: E402
+from kascade.ops.triton import prefill as tp  # noqa: E402
+
+BUDGET = Budget(ratio=0.1, k_min=128, tile=32)
+MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+DT = torch.bfloat16
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn):
+    """Median ms: do_bench for short ops; three event-timed runs for long ones (do_bench would run them ~10x)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    if one < 15:
+        return do_bench(fn, warmup=5 * one + 1, rep=max(20 * one, 10.0), return_mode="median")
+    ts = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Correctness
+# ----------------------------------------------------------------------------------------------------------------
+def check():
+    dev = "cuda"
+    rows = []
+    for HQ, H, D, N, L, starts in ((32, 8, 128, 1500, 1500, [0, 437]), (9, 3, 64, 1203, 700, [0, 611]),
+                                   (32, 8, 128, 2100, 1000, [17, 0])):
+        g = torch.Generator(device=dev).manual_seed(N)
+        B = len(starts)
+        q = torch.randn(B, HQ, L, D, device=dev, generator=g).to(DT)
+        k = (torch.randn(B, H, N, D, device=dev, generator=g) * 1.5).to(DT)
+        v = torch.randn(B, H, N, D, device=dev, generator=g).to(DT)
+        ks = torch.tensor(starts)
+        qo = N - L
+        sc = D**-0.5
+        pos = dict(scale=sc, kv_start=ks, q_offset=qo)
+        want = reference.dense_attention(q.double(), k.double(), v.double(), **pos)
+        lowp = reference.dense_attention(q, k, v, **pos)
+        out, lse = tp.dense_prefill(q, k, v, return_lse=True, **pos)
+        e, r = (out.double() - want).abs().max().item(), (lowp.double() - want).abs().max().item()
+        ok_dense = e <= 2 * r + 1e-5 and not out.isnan().any()
+        ref_sel = reference.select(q, k, budget=BUDGET, **pos)
+        sel = tp.select_prefill(q, k, budget=BUDGET, lse=lse, **pos)
+        sel2 = tp.select_prefill(q, k, budget=BUDGET, max_chunk_bytes=1 << 20, **pos)  # many small chunks
+        same = sel.indices.shape == ref_sel.indices.shape
+        diff = diff2 = -1
+        if same:
+            a, b_, c = ref_sel.indices, sel.indices, sel2.indices
+            diff = (a != b_).float().mean().item()
+            diff2 = (a != c).float().mean().item()
+        want_s = reference.sparse_attention(q.double(), k.double(), v.double(), ref_sel, **pos)
+        lowp_s = reference.sparse_attention(q, k, v, ref_sel, **pos)
+        got_s = tp.sparse_prefill(q, k, v, ref_sel, **pos)
+        es, rsd = (got_s.double() - want_s).abs().max().item(), (lowp_s.double() - want_s).abs().max().item()
+        ok_sparse = es <= 2 * rsd + 1e-5 and not got_s.isnan().any()
+        row = dict(shape=[HQ, H, D, N, L, starts], dense_err=e, dense_ref_err=r, dense_ok=ok_dense,
+                   sel_shape_ok=same, sel_mismatch_frac=diff, sel_small_chunk_mismatch_frac=diff2,
+                   sparse_err=es, sparse_ref_err=rsd, sparse_ok=ok_sparse)
+        log("check", row)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------------
+def inputs(HQ, H, D, N, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, HQ, N, D, device="cuda", generator=g).to(DT)
+    k = torch.randn(1, H, N, D, device="cuda", generator=g).to(DT)
+    v = torch.randn(1, H, N, D, device="cuda", generator=g).to(DT)
+    return q, k, v
+
+
+def sweep(results):
+    HQ, H, D = MODELS["llama-3.1-8b"]
+    N = 32768
+    q, k, v = inputs(HQ, H, D, N)
+    sc = D**-0.5
+    out = {}
+    for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
+        try:
+            t = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, block_m=bm, block_n=bn, num_warps=nw,
+                                               num_stages=ns))
+            t2 = bench(lambda: tp.prefill_lse(q, k, scale=sc, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            t = t2 = float("nan")
+            log("sweep dense", bm, bn, nw, ns, "failed:", repr(e)[:200])
+        out[f"dense bm{bm} bn{bn} w{nw} s{ns}"] = (t, t2)
+        log(f"sweep dense bm{bm} bn{bn} w{nw} s{ns}: dense {t:.2f} ms, lse-only {t2:.2f} ms")
+    lse = tp.prefill_lse(q, k, scale=sc)
+    for bn, nw, ns in ((128, 8, 3), (64, 4, 3)):
+        try:
+            t = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
+                                                num_stages=ns))
+        except Exception as e:  # noqa: BLE001
+            t = float("nan")
+            log("sweep select", bn, nw, ns, "failed:", repr(e)[:200])
+        out[f"select bn{bn} w{nw} s{ns}"] = t
+        log(f"sweep select (given lse) bn{bn} w{nw} s{ns}: {t:.2f} ms")
+    sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
+    for bn, nw, ns in ((32, 4, 3), (64, 4, 3), (128, 8, 2)):
+        try:
+            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
+        except Exception as e:  # noqa: BLE001
+            t = float("nan")
+            log("sweep sparse", bn, nw, ns, "failed:", repr(e)[:200])
+        out[f"sparse bn{bn} w{nw} s{ns}"] = t
+        log(f"sweep sparse bn{bn} w{nw} s{ns}: {t:.2f} ms")
+    results["sweep_llama_32k"] = out
+
+
+def flex_fn(q, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    N = q.shape[2]
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
+    fx = torch.compile(flex_attention, dynamic=False)
+    return lambda: fx(q, k, v, block_mask=bm, enable_gqa=True)
+
+
+def measure(name, HQ, H, D, N, flex):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = inputs(HQ, H, D, N, seed=N)
+    sc = D**-0.5
+    G = HQ // H
+    row = dict(model=name, HQ=HQ, H=H, D=D, N=N)
+    ke = k.repeat_interleave(G, 1)
+    ve = v.repeat_interleave(G, 1)
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                row[label] = bench(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True))
+        except Exception as e:  # noqa: BLE001
+            row[label] = float("nan")
+            log(label, "failed", repr(e)[:200])
+    del ke, ve
+    if flex:
+        try:
+            t0 = time.time()
+            fn = flex_fn(q, k, v)
+            fn()
+            row["flex"] = bench(fn)
+            row["flex_compile_s"] = time.time() - t0
+        except Exception as e:  # noqa: BLE001
+            row["flex"] = float("nan")
+            log("flex failed", repr(e)[:200])
+    row["triton_dense"] = bench(lambda: tp.dense_prefill(q, k, v, scale=sc))
+    row["triton_lse"] = bench(lambda: tp.prefill_lse(q, k, scale=sc))
+    out, lse = tp.dense_prefill(q, k, v, scale=sc, return_lse=True)
+    row["triton_dense_lse"] = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, return_lse=True))
+    row["select_given_lse"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse))
+    row["layer0"] = bench(lambda: tp.dense_select_prefill(q, k, v, budget=BUDGET, scale=sc))
+    sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
+    row["select"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc))
+    row["reuse"] = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc))
+    row["anchor"] = bench(lambda: tp.anchor_prefill(q, k, v, budget=BUDGET, scale=sc))
+    row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20
+    kept = int((sel.indices >= 0).sum())
+    row["kept_frac_of_causal"] = kept / (H * N * (N + 1) / 2)
+    del sel, out, lse
+    # peak extra memory of the anchor path, beyond its inputs, its output and the returned indices
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o, s = tp.anchor_prefill(q, k, v, budget=BUDGET, scale=sc)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    own = o.numel() * o.element_size() + s.indices.numel() * s.indices.element_size()
+    row["anchor_extra_mb"] = (peak - base - own) / 2**20
+    del o, s
+    c = row["cudnn"]
+    for key in ("sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "reuse", "select"):
+        if key in row:
+            row[f"{key}_x"] = row[key] / c
+    avg = (row["layer0"] + 4 * row["anchor"] + 27 * row["reuse"]) / 32
+    row["model_avg"] = avg
+    row["model_speedup"] = c / avg
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
+    ap.add_argument("--ns", default="8192,32768,65536,131072")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    header = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+              f"triton {triton.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    log(header)
+    results = {"header": header, "budget": vars(BUDGET) if hasattr(BUDGET, "__dict__") else str(BUDGET)}
+    results["checks"] = check()
+    log(f"checks done at {time.time() - t_start:.0f} s")
+    rows = []
+    for name, (HQ, H, D) in MODELS.items():
+        for N in [int(x) for x in args.ns.split(",")]:
+            try:
+                r = measure(name, HQ, H, D, N, flex=not args.no_flex and N <= 32768 and name.startswith("llama"))
+            except Exception as e:  # noqa: BLE001 - keep the rest of the table
+                log("measure failed", name, N, repr(e)[:300])
+                continue
+            rows.append(r)
+            log(json.dumps(r))
+            torch.cuda.empty_cache()
+            with open(os.path.join(args.out, "prefill.json"), "w") as f:
+                json.dump(dict(results, rows=rows), f, indent=1)
+    results["rows"] = rows
+    if not args.no_sweep:
+        sweep(results)
+        log(f"sweep done at {time.time() - t_start:.0f} s")
+    results["wall_s"] = time.time() - t_start
+    with open(os.path.join(args.out, "prefill.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    cols = ["cudnn", "sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "reuse", "model_avg"]
+    lines = [header, f"Budget(ratio=0.1, k_min=128, tile=32), bf16, B=1; ms (x = ratio to cuDNN)", "",
+             "| model | N | " + " | ".join(cols) + " | model speedup | anchor extra MB | indices MB |",
+             "|" + "---|" * (len(cols) + 5)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            t = r.get(c)
+            cells.append("-" if t is None or t != t else f"{t:.2f}" + (f" ({t / r['cudnn']:.2f}x)" if c != "cudnn" else ""))
+        lines.append(f"| {r['model']} | {r['N']} | " + " | ".join(cells)
+                     + f" | {r['model_speedup']:.2f}x | {r['anchor_extra_mb']:.0f} | {r['indices_mb']:.0f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "prefill.md"), "w") as f:
+        f.write(table + "\n")
+    log(table)
+    log(f"total {time.time() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

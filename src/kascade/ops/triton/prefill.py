@@ -1,0 +1,503 @@
+"""Triton prefill kernels (``L > 1`` queries, causal, tiles of ``T`` queries) and their launchers.
+
+Layout (as in :mod:`kascade.ops`): ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` (head dim contiguous), outputs
+``[B, HQ, L, D]`` in ``q``'s dtype; query head ``hq`` reads KV head ``hq // G``. Sequence ``b`` owns key slots
+``[kv_start[b], q_offset + L)`` (left padding before); query ``i`` sits at slot ``q_offset + i`` and, relative to
+the sequence's first valid key, at position ``q_offset + i - kv_start[b]``. Tiles count positions: tile ``t`` holds
+positions ``[t*T, (t+1)*T)``. Queries at padding slots get zeros.
+
+Every kernel works on one KV head and a block of *rows*, a row being one (query, head of the group) pair flattened
+as ``row = query * G + g``, so that the K/V rows loaded once serve all ``G`` heads (an MMA-sized block of rows
+whatever ``G``).
+
+* :func:`dense_prefill`: causal flash attention forward, optionally the per-row log-sum-exp (natural log).
+* :func:`select_prefill`: anchor selection. Row statistics (the LSE, from a QK-only pass unless given), then for a
+  chunk of tiles the pooled probabilities ``sum_{g, query in tile} exp(s - lse)`` against every key before the tile,
+  written to a buffer bounded by ``max_chunk_bytes``, then ``torch.topk`` per tile with the rolling budget.
+* :func:`sparse_prefill`: per (tile, KV head), attention of the tile's rows to its selected keys (loaded in the
+  kernel from the index list) plus causal attention within the tile.
+
+Kernels only: these functions assert, they do not validate (that is :mod:`kascade.ops`' job).
+
+Numerics: scores, softmax and pooling in fp32 (log2 domain); ``p @ v`` on the tensor cores with ``p`` rounded to
+the value dtype, as in every flash-attention forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...budget import Budget
+from ..selection import Selection
+from .decode import LOG2E, _dot, _interpreting, _num_sms, _to_out
+
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
+                 RNE: tl.constexpr, GUARD: tl.constexpr):
+    """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``, ``ok [M, BN]`` (or a
+    broadcastable mask). GUARD: some row may have seen no key yet (all -inf), so keep exp2 finite."""
+    s = _dot(q, tl.trans(kt), F32) * qk_scale  # [M, BN], log2 domain
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_V:
+        pv = _to_out(p, vt.dtype, RNE)
+        acc = acc * alpha[:, None] + _dot(pv, vt, F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dense_kernel(
+    Q, K, V, Out, Lse, KvStart,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_ol,
+    L, q_offset, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
+):
+    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major)."""
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # longest blocks first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    start = tl.load(KvStart + b).to(tl.int32)
+
+    f = tl.arange(0, M)
+    qi = f // G
+    g = f % G
+    i = qb * BQ + qi  # query index in this call
+    slot = q_offset + i  # its key slot
+    row_ok = (qi < BQ) & (i < L) & (slot >= start)
+    hq = (h * G + g).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [M, D]
+
+    hi = tl.minimum(q_offset + qb * BQ + BQ, q_offset + L)  # one past the block's last query slot
+    first = tl.maximum(q_offset + qb * BQ, start)  # the block's first real query slot
+    n_full = tl.maximum(first + 1 - start, 0) // BLOCK_N  # blocks every row sees whole
+    k_base = K + b64 * stride_kb + h * stride_kh
+    v_base = V + b64 * stride_vb + h * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    # ---- keys before the block: no mask ----
+    for jb in range(0, n_full):
+        kpos = (start + jb * BLOCK_N + offs_n).to(tl.int64)
+        kt = tl.load(k_base + kpos[:, None] * stride_kn + offs_d[None, :])
+        if HAS_V:
+            vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :])
+        else:
+            vt = kt
+        m_i, l_i, acc = _online_step(q, kt, vt, offs_n[None, :] >= 0, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE,
+                                     False)
+    # ---- diagonal blocks: causal mask ----
+    for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
+        kpos = j0 + offs_n
+        km = kpos < hi
+        kp64 = kpos.to(tl.int64)
+        kt = tl.load(k_base + kp64[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
+        if HAS_V:
+            vt = tl.load(v_base + kp64[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
+        else:
+            vt = kt
+        ok = (kpos[None, :] <= slot[:, None]) & km[None, :]
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True)
+
+    has = l_i > 0
+    if HAS_V:
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = tl.where(has[:, None], o, 0.0)  # padding queries: zeros
+        st = (qi < BQ) & (i < L)
+        tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
+                 + offs_d[None, :], _to_out(o, Out.dtype.element_ty, RNE), mask=st[:, None])
+    if WRITE_LSE:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + (b64 * tl.num_programs(1) * G + hq) * L + i, lse, mask=(qi < BQ) & (i < L))
+
+
+@triton.jit
+def _score_kernel(
+    Q, K, Lse, KvStart, RowStart, Buf,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb, stride_kh, stride_kn,
+    stride_bb, stride_bh, stride_bc,
+    L, q_offset, r0, W, keys_per_split, qk_scale,
+    HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):
+    """One program = (key split, tile of the chunk, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
+    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W."""
+    split = tl.program_id(0)
+    c = tl.program_id(1)
+    hb = tl.program_id(2)
+    H = HQ // G
+    h = hb % H
+    b = hb // H
+    b64 = b.to(tl.int64)
+    start = tl.load(KvStart + b).to(tl.int32)
+    t = tl.load(RowStart + b).to(tl.int32) + r0 + c
+    n_b = q_offset + L - start
+    s_len = tl.where(t * T < n_b, t * T, 0)  # keys before the tile (0: no such tile in this sequence)
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, W)
+    hi_s = tl.minimum(hi, s_len)
+
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_base = K + b64 * stride_kb + h * stride_kh
+    buf = Buf + b64 * stride_bb + h * stride_bh + c * stride_bc
+    f0 = tl.arange(0, M)
+    if NSUB == 1:  # the whole tile is one block of rows: keep it in registers
+        qi = f0 // G
+        i = start + t * T + qi - q_offset
+        row_ok = (f0 < G * T) & (i >= 0) & (i < L)
+        hq = (h * G + f0 % G).to(tl.int64)
+        q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    for j0 in range(lo, hi_s, BLOCK_N):
+        kpos = j0 + offs_n
+        km = kpos < hi_s
+        kt = tl.load(k_base + (start + kpos).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                     mask=km[:, None], other=0.0)
+        if NSUB == 1:
+            s = _dot(q, tl.trans(kt), F32) * qk_scale
+            pooled = tl.sum(tl.exp2(s - lse2[:, None]), 0)
+        else:
+            pooled = tl.zeros([BLOCK_N], tl.float32)
+            for sb in tl.static_range(NSUB):
+                f = sb * M + f0
+                qi = f // G
+                i = start + t * T + qi - q_offset
+                row_ok = (f < G * T) & (i >= 0) & (i < L)
+                hq = (h * G + f % G).to(tl.int64)
+                q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
+                            + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
+                s = _dot(q, tl.trans(kt), F32) * qk_scale
+                pooled += tl.sum(tl.exp2(s - lse2[:, None]), 0)
+        tl.store(buf + kpos, pooled, mask=km)
+    for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
+        kpos = j0 + offs_n
+        tl.store(buf + kpos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=kpos < hi)
+
+
+@triton.jit
+def _sparse_kernel(
+    Q, K, V, Out, Idx, KvStart, RowStart,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_ol,
+    stride_ib, stride_ih, stride_ir,
+    L, q_offset, n_idx, qk_scale,
+    G: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NRB: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
+):
+    """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles (larger budgets) first
+    r = pid // NRB
+    rb = pid % NRB
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    start = tl.load(KvStart + b).to(tl.int32)
+    t = tl.load(RowStart + b).to(tl.int32) + r
+    n_b = q_offset + L - start
+    if t * T < n_b:
+        offs_d = tl.arange(0, D)
+        f = rb * M + tl.arange(0, M)
+        qi = f // G
+        pos = t * T + qi  # query position (relative)
+        i = start + pos - q_offset
+        row_ok = (f < G * T) & (i >= 0) & (i < L)
+        hq = (h * G + f % G).to(tl.int64)
+        q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [M, D]
+        k_base = K + b64 * stride_kb + h * stride_kh
+        v_base = V + b64 * stride_vb + h * stride_vh
+        idx_row = Idx + b64 * stride_ib + h * stride_ih + r.to(tl.int64) * stride_ir
+
+        # Blocks of the index list that hold any index (ascending, -1 padding at the end): one strided load.
+        jb = tl.arange(0, MAXB) * BLOCK_N
+        firsts = tl.load(idx_row + jb, mask=jb < n_idx, other=-1)
+        nblk = tl.sum((firsts >= 0).to(tl.int32), 0)
+
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        # ---- selected keys (all strictly before the tile) ----
+        for kb in range(0, nblk):
+            j = kb * BLOCK_N + offs_n
+            slot = tl.load(idx_row + j, mask=j < n_idx, other=-1).to(tl.int64)
+            ok = slot >= 0
+            slot = tl.where(ok, slot, start)
+            kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            m_i, l_i, acc = _online_step(q, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, False)
+        # ---- own tile, causal ----
+        offs_t = tl.arange(0, TP)
+        kpos = t * T + offs_t
+        km = (offs_t < T) & (kpos < n_b)
+        kslot = (start + kpos).to(tl.int64)
+        kt = tl.load(k_base + kslot[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
+        vt = tl.load(v_base + kslot[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
+        ok = km[None, :] & (kpos[None, :] <= pos[:, None])
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, F32, RNE, True)
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
+                 + offs_d[None, :], _to_out(o, Out.dtype.element_ty, RNE), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+def _heads(q, k):
+    B, HQ, L, D = q.shape
+    H = k.shape[1]
+    assert k.shape[0] == B and k.shape[-1] == D and HQ % H == 0 and D in (16, 32, 64, 128, 256)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "the head dim must be contiguous"
+    return B, HQ, H, HQ // H, L, D
+
+
+def _starts(kv_start, B, device) -> tuple[torch.Tensor, list[int]]:
+    """kv_start as an int32 device tensor and a host list (None = zeros)."""
+    host = [0] * B if kv_start is None else [int(x) for x in torch.as_tensor(kv_start).reshape(-1).tolist()]
+    assert len(host) == B
+    return torch.tensor(host, dtype=torch.int32).to(device), host
+
+
+def _flags(q):
+    return _interpreting() or q.dtype == torch.float32, _interpreting() and q.dtype == torch.bfloat16
+
+
+def _dense_config(G: int, D: int, has_v: bool) -> tuple[int, int, int, int]:
+    """(rows per program M, BLOCK_N, num_warps, num_stages)."""
+    if D <= 64:
+        return 128, 64, 4, 3
+    if D <= 128:
+        return 128, 64 if has_v else 128, 8, 3
+    return 64, 64, 4, 2
+
+
+def _rows(G: int, M: int) -> tuple[int, int]:
+    """(queries per block BQ, rows M): BQ*G <= M with M a power of two >= 16."""
+    M = max(M, 16, triton.next_power_of_2(G))
+    return max(1, M // G), M
+
+
+def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, return_lse=False, out=None, block_m=None,
+                  block_n=None, num_warps=None, num_stages=None):
+    """Exact causal GQA attention. ``-> out [B, HQ, L, D]``, or ``(out, lse)`` with ``lse [B, HQ, L]`` fp32, the
+    natural log-sum-exp of each row's ``scale * q k^T`` (``-inf`` at padding queries)."""
+    return _dense_run(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, has_v=True, write_lse=return_lse,
+                      out=out, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, **cfg) -> torch.Tensor:
+    """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass)."""
+    return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, has_v=False, write_lse=True,
+                      **cfg)[1]
+
+
+def _dense_run(q, k, v, *, scale, kv_start, q_offset, has_v, write_lse, out=None, block_m=None, block_n=None,
+               num_warps=None, num_stages=None):
+    B, HQ, H, G, L, D = _heads(q, k)
+    N = k.shape[2]
+    q_offset = N - L if q_offset is None else int(q_offset)
+    dev = q.device
+    ks, _ = _starts(kv_start, B, dev)
+    M0, bn, nw, ns = _dense_config(G, D, has_v)
+    BQ, M = _rows(G, block_m or M0)
+    bn = block_n or bn
+    f32, rne = _flags(q)
+    if has_v:
+        assert v.shape == k.shape and v.stride(-1) == 1
+        out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(B, HQ, L, dtype=torch.float32, device=dev) if write_lse else ks
+    vv = v if has_v else k
+    oo = out if has_v else q
+    _dense_kernel[(triton.cdiv(L, BQ), H, B)](
+        q, k, vv, oo, lse, ks,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
+        L, q_offset, scale * LOG2E,
+        G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
+        num_warps=num_warps or nw, num_stages=num_stages or ns,
+    )
+    return (out if has_v else None), (lse if write_lse else None)
+
+
+def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
+    """(rows per block M, blocks per tile): the tile's G*T rows in blocks of at most 128 (or M)."""
+    M = M or min(128, max(16, triton.next_power_of_2(G * T)))
+    return M, triton.cdiv(G * T, M)
+
+
+def prefill_rows(kv_start: list[int], q_offset: int, L: int, T: int) -> tuple[list[int], list[int], list[int]]:
+    """Per sequence: valid keys n_b, first tile t_first (row_start) and tiles in this call."""
+    n = [q_offset + L - s for s in kv_start]
+    t_first = [max(0, q_offset - s) // T for s in kv_start]
+    count = [(nb - 1) // T - tf + 1 for nb, tf in zip(n, t_first)]
+    return n, t_first, count
+
+
+def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, lse=None,
+                   max_chunk_bytes=64 << 20, block_n=None, num_warps=None, num_stages=None, **lse_cfg) -> Selection:
+    """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
+    (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
+    shape as the reference's: ``[B, H, R, K]`` int64 absolute slots, ascending, -1 padded.
+
+    Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
+    buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
+    B, HQ, H, G, L, D = _heads(q, k)
+    N = k.shape[2]
+    T = budget.tile
+    q_offset = N - L if q_offset is None else int(q_offset)
+    dev = q.device
+    ks, host_start = _starts(kv_start, B, dev)
+    chunk_bytes = max_chunk_bytes
+    if lse is None:
+        lse = prefill_lse(q, k, scale=scale, kv_start=ks, q_offset=q_offset, **lse_cfg)
+        chunk_bytes = max(max_chunk_bytes - lse.numel() * 4, max_chunk_bytes // 4)  # the LSE counts as extra too
+    assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
+    n, t_first, count = prefill_rows(host_start, q_offset, L, T)
+    R = max(count)
+    budgets = [[budget.prefill_tile((t_first[b] + r) * T, n[b]) if r < count[b] else 0 for r in range(R)]
+               for b in range(B)]
+    K = max(max(x) for x in budgets)
+    rs = torch.tensor(t_first, dtype=torch.int32).to(dev)
+    indices = torch.full((B, H, R, K), -1, dtype=torch.long, device=dev)
+    if K == 0:
+        return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
+    f32, _ = _flags(q)
+    M, NSUB = _tile_rows(G, T)
+    bn = block_n or (64 if D <= 128 else 32)
+    nw = num_warps or (8 if M * D >= 128 * 128 else 4)
+    ns = num_stages or (3 if D <= 128 else 2)
+    sms = _num_sms(dev)
+    budgets_t = torch.tensor(budgets, dtype=torch.long).to(dev)  # [B, R]
+    start_t = torch.tensor(host_start, dtype=torch.long, device=dev)
+    big = torch.iinfo(torch.long).max
+
+    def width(r1):  # keys before the last tile of rows [.., r1): the chunk's buffer row length
+        w = max(((t_first[b] + min(r1, count[b]) - 1) * T if count[b] > 0 else 0) for b in range(B))
+        return max(4, -(-w // 4) * 4)
+
+    def kmax(r0, r1):
+        return max(max(x[r0:r1]) for x in budgets)
+
+    r0 = 0
+    while r0 < R:
+        # Largest chunk whose buffer plus top-k temporaries (values, indices, sorted copy) fit the bound.
+        C = 1
+        lo_c, hi_c = 1, R - r0
+        while lo_c <= hi_c:
+            mid = (lo_c + hi_c) // 2
+            kc = kmax(r0, r0 + mid)
+            need = B * H * mid * (4 * width(r0 + mid) + 40 * kc)
+            if need <= chunk_bytes:
+                C, lo_c = mid, mid + 1
+            else:
+                hi_c = mid - 1
+        r1 = r0 + C
+        W = width(r1)
+        kc = kmax(r0, r1)
+        if kc > 0:
+            buf = torch.empty(B, H, C, W, dtype=torch.float32, device=dev)
+            per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, B * H * C))))
+            per = triton.cdiv(per, bn) * bn
+            _score_kernel[(triton.cdiv(W, per), C, B * H)](
+                q, k, lse, ks, rs, buf,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                buf.stride(0), buf.stride(1), buf.stride(2),
+                L, q_offset, r0, W, per, scale * LOG2E,
+                HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, num_warps=nw, num_stages=ns,
+            )
+            top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
+            del buf
+            keep = torch.arange(kc, device=dev)[None, None, :] < budgets_t[:, r0:r1, None]  # [B, C, kc]
+            top = torch.where(keep[:, None], top, big).sort(-1).values
+            indices[:, :, r0:r1, :kc] = torch.where(top == big, -1, top + start_t[:, None, None, None])
+            del top, keep
+        r0 = r1
+    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
+
+
+def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, out=None, block_n=None,
+                   block_m=None, num_warps=None, num_stages=None):
+    """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
+    renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
+    ascending with -1 padding at the end). ``-> [B, HQ, L, D]``."""
+    B, HQ, H, G, L, D = _heads(q, k)
+    N = k.shape[2]
+    T = selection.tile
+    q_offset = N - L if q_offset is None else int(q_offset)
+    dev = q.device
+    ks, host_start = _starts(kv_start, B, dev)
+    idx = selection.indices
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    assert idx.dim() == 4 and idx.shape[:2] == (B, H) and not selection.decode
+    R, KI = idx.shape[2], idx.shape[3]
+    rs = selection.row_start.to(device=dev, dtype=torch.int32)
+    f32, rne = _flags(q)
+    M, NRB = _tile_rows(G, T, block_m)
+    bn = block_n or (64 if D <= 128 else 32)
+    nw = num_warps or (8 if M * D >= 128 * 128 else 4)
+    ns = num_stages or (3 if D <= 128 else 2)
+    out = torch.empty_like(q) if out is None else out
+    maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
+    _sparse_kernel[(R * NRB, H, B)](
+        q, k, v, out, idx, ks, rs,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        L, q_offset, KI, scale * LOG2E,
+        G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
+        num_warps=nw, num_stages=ns,
+    )
+    for b, s in enumerate(host_start):  # queries at padding slots belong to no tile
+        if s > q_offset:
+            out[b, :, : min(L, s - q_offset)].zero_()
+    return out
+
+
+def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20):
+    """Anchor layer: selection, then attention over it. ``-> (out, Selection)``."""
+    sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset,
+                         max_chunk_bytes=max_chunk_bytes)
+    return sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset), sel
+
+
+def dense_select_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20):
+    """Layer 0: the dense output (with its LSE), then the selection. ``-> (out, Selection)``."""
+    out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, return_lse=True)
+    sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, lse=lse,
+                         max_chunk_bytes=max_chunk_bytes)
+    return out, sel
+
+
+__all__ = ["anchor_prefill", "dense_prefill", "dense_select_prefill", "prefill_lse", "select_prefill",
+           "sparse_prefill"]
