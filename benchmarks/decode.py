@@ -71,11 +71,13 @@ def _paged(x, kv_start, q_offset, page, gen):
     return cache, table, torch.tensor(lens)
 
 
-def check(dev):
+CHECKS = (((32, 8, 128), 5001, 0), ((9, 3, 64), 3333, 0), ((32, 8, 128), 4099, 64), ((16, 2, 256), 2049, 16))
+
+
+def check(dev, cases=CHECKS):
     """Every kernel vs the reference; returns a list of result rows and raises on a failure."""
     rows = []
-    for (HQ, H, D), N, page in (((32, 8, 128), 5001, 0), ((9, 3, 64), 3333, 0), ((32, 8, 128), 4099, 64),
-                                ((16, 2, 256), 2049, 16)):
+    for (HQ, H, D), N, page in cases:
         gen = torch.Generator().manual_seed(N)
         B = 3
         q = torch.randn(B, HQ, 1, D, generator=gen).to(DT).to(dev)
@@ -292,7 +294,7 @@ def tune(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--quick", action="store_true", help="two checks, the targets' shapes first")
     ap.add_argument("--no-tune", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -304,7 +306,7 @@ def main():
     }
     log(f"# {header}")
     t0 = time.time()
-    checks = check(dev)
+    checks = check(dev, CHECKS[::2] if args.quick else CHECKS)
     log(f"checks passed in {time.time() - t0:.1f}s")
     header["copy_TBps"] = copy_bandwidth(dev)
     log(f"device copy bandwidth (read + write): {header['copy_TBps']:.2f} TB/s")
@@ -326,27 +328,25 @@ def main():
         result = {"header": header, "checks": checks, "rows": rows, "sweep": sweep}
         (out_dir / "decode.json").write_text(json.dumps(result, indent=1))
 
-    Ns = [8192, 32768, 131072, 524288]
-    Bs = [1, 8, 32]
-    if args.quick:
-        Ns, Bs = [32768, 131072], [1, 8]
-    for model, (HQ, H, D) in MODELS.items():
-        for B in Bs:
-            for N in Ns:
-                need = 2 * B * H * N * D * 2 + B * HQ * N * 4 * 2 + B * H * N * 4 * 2
-                if need > 0.8 * free:
-                    log(f"skip {model} B={B} N={N}: {need / 2**30:.0f} GiB")
-                    continue
-                r = measure(B, HQ, H, N, D, dev, cfg)
-                r["model"] = model
-                rows.append(r)
-                t = r["times_us"]
-                log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
-                    f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
-                    f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
-                    f"-> model {r['model_speedup']:.2f}x")
-                write()
-                torch.cuda.empty_cache()
+    shapes = [(m, B, N) for m in MODELS for B in (1, 8, 32) for N in (8192, 32768, 131072, 524288)]
+    if args.quick:  # the targets' shapes first (Llama, N >= 32K), then the rest
+        shapes.sort(key=lambda x: (x[0] != "llama-3.1-8b", x[2] < 32768))
+    for model, B, N in shapes:
+        HQ, H, D = MODELS[model]
+        need = 2 * B * H * N * D * 2 + B * HQ * N * 4 * 2 + B * H * N * 4 * 2
+        if need > 0.8 * free:
+            log(f"skip {model} B={B} N={N}: {need / 2**30:.0f} GiB")
+            continue
+        r = measure(B, HQ, H, N, D, dev, cfg, eager=not args.quick)
+        r["model"] = model
+        rows.append(r)
+        t = r["times_us"]
+        log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
+            f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
+            f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
+            f"-> model {r['model_speedup']:.2f}x")
+        write()
+        torch.cuda.empty_cache()
 
     write()
 

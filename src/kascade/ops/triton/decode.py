@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 _NB1, _NB2, _NB3 = 4096, 4096, 128
 _NHIST = _NB1 + _NB2 + _NB3
 # Keys per program in the selection passes.
-SELECT_CHUNK = 4096
+SELECT_CHUNK = 2048
 
 
 def _interpreting() -> bool:
@@ -292,11 +292,10 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
     p = tl.where(pm, p, -1.0)  # below every probability: never selected by torch.topk
     tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
     if HIST:
+        # One relaxed global atomic per key (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower
+        # than the scoring pass in our measurement); the bins of one row are spread over ~2^4 per exponent.
         key = p.to(tl.int32, bitcast=True)
-        bins = tl.where(pm, key >> 19, 0)
-        hist = tl.histogram(bins, NB1)
-        hist = hist - tl.where(tl.arange(0, NB1) == 0, CH - tl.sum(pm.to(tl.int32), 0), 0)
-        tl.atomic_add(Hist + row * NHIST + tl.arange(0, NB1), hist, mask=hist > 0)
+        tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=pm, sem="relaxed")
 
 
 @triton.jit
@@ -318,10 +317,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
         tl.store(State + row * 4 + 0, b1)
         tl.store(State + row * 4 + 1, r1)
         match = pm & ((key >> 19) == b1)
-        bins = tl.where(match, (key >> 7) & 4095, 0)
-        hist = tl.histogram(bins, 4096)
-        hist = hist - tl.where(tl.arange(0, 4096) == 0, CH - tl.sum(match.to(tl.int32), 0), 0)
-        tl.atomic_add(hrow + 4096 + tl.arange(0, 4096), hist, mask=hist > 0)
+        tl.atomic_add(hrow + 4096 + ((key >> 7) & 4095), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
     elif LEVEL == 3:
         b1 = tl.load(State + row * 4 + 0)
         r1 = tl.load(State + row * 4 + 1)
@@ -330,10 +326,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
         tl.store(State + row * 4 + 2, prefix)
         tl.store(State + row * 4 + 3, r2)
         match = pm & ((key >> 7) == prefix)
-        bins = tl.where(match, key & 127, 0)
-        hist = tl.histogram(bins, 128)
-        hist = hist - tl.where(tl.arange(0, 128) == 0, CH - tl.sum(match.to(tl.int32), 0), 0)
-        tl.atomic_add(hrow + 8192 + tl.arange(0, 128), hist, mask=hist > 0)
+        tl.atomic_add(hrow + 8192 + (key & 127), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
     else:
         prefix = tl.load(State + row * 4 + 2)
         r2 = tl.load(State + row * 4 + 3)
@@ -390,9 +383,12 @@ def _gp(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
-def _default_block(D: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps)."""
-    return (64, 4) if D <= 128 else (32, 4)
+def _default_config(D: int, sparse: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM): the fastest of a sweep on an H200 (Llama shapes, B 1-32,
+    N 32K-128K; benchmarks/decode.py, docs/benchmarks/decode_run1_tlhistogram.json)."""
+    if sparse:
+        return (64 if D <= 128 else 32), 4, 3, 4
+    return 32, 4, 3, 2
 
 
 # Split-K aims at this many programs per multiprocessor (the benchmark sweeps it).
@@ -430,9 +426,13 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
-    bn, nw = _default_block(D)
+    bn, nw, ns, ppsm = _default_config(D, sparse)
     bn = block_n or bn
     nw = num_warps or nw
+    num_stages = num_stages or ns
+    programs_per_sm = programs_per_sm or ppsm
+    if _interpreting():
+        num_stages = None
     S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm)
     direct = S == 1
     f32 = _interpreting() or q.dtype == torch.float32
