@@ -128,7 +128,7 @@ def sweep(results):
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
     out = {}
-    for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
+    for bm, bn, nw, ns in ((128, 128, 8, 2), (128, 128, 4, 3)):
         try:
             t = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, block_m=bm, block_n=bn, num_warps=nw,
                                                num_stages=ns))
@@ -139,7 +139,7 @@ def sweep(results):
         out[f"dense bm{bm} bn{bn} w{nw} s{ns}"] = (t, t2)
         log(f"sweep dense bm{bm} bn{bn} w{nw} s{ns}: dense {t:.2f} ms, lse-only {t2:.2f} ms")
     lse = tp.prefill_lse(q, k, scale=sc)
-    for bn, nw, ns in ((128, 8, 3), (64, 4, 3)):
+    for bn, nw, ns in ((128, 4, 3), (64, 8, 3), (32, 4, 3), (64, 4, 2)):
         try:
             t = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
                                                 num_stages=ns))
@@ -149,7 +149,7 @@ def sweep(results):
         out[f"select bn{bn} w{nw} s{ns}"] = t
         log(f"sweep select (given lse) bn{bn} w{nw} s{ns}: {t:.2f} ms")
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
-    for bn, nw, ns in ((32, 4, 3), (64, 4, 3), (128, 8, 2)):
+    for bn, nw, ns in ((64, 4, 4), (64, 8, 2), (128, 4, 2), (32, 4, 5), (16, 4, 6)):
         try:
             t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
         except Exception as e:  # noqa: BLE001
@@ -201,6 +201,8 @@ def measure(name, HQ, H, D, N, flex):
     out, lse = tp.dense_prefill(q, k, v, scale=sc, return_lse=True)
     row["triton_dense_lse"] = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, return_lse=True))
     row["select_given_lse"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse))
+    row["select_scores_only"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                               _scores_only=True))
     row["layer0"] = bench(lambda: tp.dense_select_prefill(q, k, v, budget=BUDGET, scale=sc))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     row["select"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc))
@@ -208,18 +210,18 @@ def measure(name, HQ, H, D, N, flex):
     row["anchor"] = bench(lambda: tp.anchor_prefill(q, k, v, budget=BUDGET, scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20
     kept = int((sel.indices >= 0).sum())
-    row["kept_frac_of_causal"] = kept / (H * N * (N + 1) / 2)
+    row["kept_frac_of_causal"] = kept * BUDGET.tile / (H * N * (N + 1) / 2)  # selected (query, key) pairs
     del sel, out, lse
-    # peak extra memory of the anchor path, beyond its inputs, its output and the returned indices
+    # Peak extra memory of the anchor path beyond its inputs and outputs: the selection stage (LSE, score buffer,
+    # top-k temporaries) minus the returned indices; the sparse stage allocates only its output.
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    o, s = tp.anchor_prefill(q, k, v, budget=BUDGET, scale=sc)
+    s = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    own = o.numel() * o.element_size() + s.indices.numel() * s.indices.element_size()
-    row["anchor_extra_mb"] = (peak - base - own) / 2**20
-    del o, s
+    row["anchor_extra_mb"] = (peak - base - s.indices.numel() * s.indices.element_size()) / 2**20
+    del s
     c = row["cudnn"]
     for key in ("sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "reuse", "select"):
         if key in row:
