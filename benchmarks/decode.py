@@ -296,6 +296,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="two checks, the targets' shapes first")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--only", default=None, help="comma list of model:B:N, e.g. llama-3.1-8b:8:32768 (one check)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -306,7 +307,7 @@ def main():
     }
     log(f"# {header}")
     t0 = time.time()
-    checks = check(dev, CHECKS[::2] if args.quick else CHECKS)
+    checks = check(dev, CHECKS[:1] if args.only else CHECKS[::2] if args.quick else CHECKS)
     log(f"checks passed in {time.time() - t0:.1f}s")
     header["copy_TBps"] = copy_bandwidth(dev)
     log(f"device copy bandwidth (read + write): {header['copy_TBps']:.2f} TB/s")
@@ -331,6 +332,8 @@ def main():
     shapes = [(m, B, N) for m in MODELS for B in (1, 8, 32) for N in (8192, 32768, 131072, 524288)]
     if args.quick:  # the targets' shapes first (Llama, N >= 32K), then the rest
         shapes.sort(key=lambda x: (x[0] != "llama-3.1-8b", x[2] < 32768))
+    if args.only:
+        shapes = [(m, int(b), int(n)) for m, b, n in (x.split(":") for x in args.only.split(","))]
     for model, B, N in shapes:
         HQ, H, D = MODELS[model]
         need = 2 * B * H * N * D * 2 + B * HQ * N * 4 * 2 + B * H * N * 4 * 2
