@@ -1,0 +1,247 @@
+"""Triton prefill kernels (kascade.ops.triton.prefill) against the reference ops, under the Triton interpreter.
+
+Fresh random inputs at small, deliberately odd sizes: odd N, tiles that do not divide N, every G in 1..16 that
+real models use, D in {64, 128, 256}, T in {16, 32, 64}, fp16 and bf16, different lengths in one batch (left
+padding), chunked prefill (q_offset > 0, first query mid-tile) and unused cache slots after the queries. Cache slots
+that no sequence may read hold NaN and outputs start as NaN, so a stray read or an unwritten output cannot pass.
+Tolerance (STYLE.md): the error against the fp64 reference is at most twice the error of the reference's own
+result rounded to the low precision, plus a tiny atol. Selections are compared as sets; a difference passes only
+where the reference's pooled scores of the differing keys tie the tile's k-th largest within rounding.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from kascade.budget import Budget  # noqa: E402
+from kascade.ops import reference  # noqa: E402
+from kascade.ops.triton import prefill as tp  # noqa: E402
+
+# (B, H, G, N, L, D, T, dtype, chunked): L < N - tail leaves a cached prefix (chunked prefill) when chunked.
+CASES = [
+    (2, 2, 1, 77, 77, 64, 16, torch.bfloat16, False),
+    (2, 1, 2, 101, 57, 128, 32, torch.float16, True),
+    (2, 1, 3, 93, 93, 64, 16, torch.float16, False),
+    (2, 2, 4, 131, 70, 128, 32, torch.bfloat16, True),
+    (1, 1, 4, 83, 83, 256, 16, torch.float16, False),
+    (2, 1, 6, 99, 60, 64, 32, torch.bfloat16, True),
+    (2, 1, 8, 71, 71, 128, 16, torch.bfloat16, False),
+    (2, 1, 16, 80, 45, 64, 32, torch.float16, True),
+    (1, 1, 5, 143, 143, 64, 64, torch.bfloat16, False),
+]
+
+
+def _id(c):
+    B, H, G, N, L, D, T, dt, ch = c
+    return f"B{B}-H{H}-G{G}-N{N}-L{L}-D{D}-T{T}-{str(dt).split('.')[-1]}{'-chunked' if ch else ''}"
+
+
+def _budget(T):
+    return Budget(ratio=0.5, k_min=5, tile=T)  # k(N) > T at these sizes: tiles select keys
+
+
+def _inputs(case, seed):
+    """fp64 masters q, k, v; kv_start (sequence 0 full, others left-padded, one possibly past q_offset so some
+    queries are padding); q_offset; the number of unused slots after the queries."""
+    B, H, G, N, L, D, T, dt, chunked = case
+    g = torch.Generator().manual_seed(seed)
+    tail = 3 if chunked else 0  # unused cache slots after the last query
+    q_offset = N - L - tail
+    q = torch.randn(B, H * G, L, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, N, D, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    hi = q_offset + L - 2 * T - 1  # every sequence keeps at least two tiles of keys
+    starts = [0] + [int(torch.randint(1, max(2, hi), (1,), generator=g)) for _ in range(B - 1)]
+    return q, k, v, torch.tensor(starts), q_offset
+
+
+def _poison(x, kv_start, end):
+    """NaN in every cache slot outside [kv_start[b], end)."""
+    x = x.clone()
+    for b in range(x.shape[0]):
+        x[b, :, : int(kv_start[b])] = float("nan")
+        x[b, :, end:] = float("nan")
+    return x
+
+
+def _nan_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+def _assert_close(got, want64, lowp_ref, what):
+    assert got.dtype == lowp_ref.dtype and got.shape == want64.shape
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output (unwritten or stray read)"
+    err = (got.double() - want64).abs().max().item()
+    ref_err = (lowp_ref.double() - want64).abs().max().item()
+    assert err <= 2 * ref_err + 1e-5, f"{what}: max error {err:.3g} > 2 x {ref_err:.3g} (low-precision reference)"
+
+
+def _pooled_rows(q, k, kv_start, q_offset, scale, T):
+    """Per sequence: the reference's pooled probabilities of every tile of the call, ``[H, R_b, n_b]`` (fp32 on
+    the low-precision inputs), keys at or after the tile at -inf."""
+    B, HQ, L, D = q.shape
+    out = []
+    for b in range(B):
+        s0 = int(kv_start[b])
+        n = q_offset + L - s0
+        l = min(L, n)
+        parts = []
+        for t0, pooled in reference.iter_pooled_prefill(q[b, :, L - l :].float(), k[b, :, s0 : s0 + n].float(),
+                                                        scale, T):
+            c = pooled.shape[1]
+            full = pooled.new_full((pooled.shape[0], c, n), float("-inf"))
+            full[:, :, : pooled.shape[2]] = pooled
+            s = torch.arange(t0, t0 + c) * T
+            full = full.masked_fill(torch.arange(n)[None, :] >= s[:, None], float("-inf"))
+            parts.append(full)
+        out.append(torch.cat(parts, 1))
+    return out
+
+
+def _check_selection(sel, want, pooled, kv_start, q_offset, L, budget, what, rtol=1e-4):
+    """Same row layout and -1 padding as the reference, rows strictly ascending inside the causal prefix, and the
+    same sets except for keys whose reference score ties the k-th largest within rounding."""
+    assert not sel.decode and sel.tile == budget.tile and sel.indices.dtype == torch.long
+    assert sel.indices.shape == want.indices.shape, f"{what}: shape {tuple(sel.indices.shape)} vs {tuple(want.indices.shape)}"
+    assert torch.equal(sel.row_start.cpu(), want.row_start.cpu()), f"{what}: row_start"
+    B, H, R, K = sel.indices.shape
+    T = budget.tile
+    checked = 0
+    for b in range(B):
+        s0 = int(kv_start[b])
+        n = q_offset + L - s0
+        t_first = int(want.row_start[b])
+        for r in range(pooled[b].shape[1]):
+            s = (t_first + r) * T
+            kb = budget.prefill_tile(s, n)
+            for h in range(H):
+                row = sel.indices[b, h, r]
+                assert bool((row[kb:] == -1).all()), f"{what}: seq {b} row {r} head {h}: padding is not -1"
+                got = row[:kb] - s0
+                assert bool((got[1:] > got[:-1]).all()), f"{what}: seq {b} row {r} head {h}: not ascending"
+                if kb:
+                    assert int(got.min()) >= 0 and int(got.max()) < s, f"{what}: seq {b} row {r}: index out of range"
+                ref = want.indices[b, h, r]
+                diff = set(got.tolist()) ^ set((ref[ref >= 0] - s0).tolist())
+                if diff:
+                    p = pooled[b][h, r]
+                    kth = p.topk(kb).values[-1]
+                    gap = (p[sorted(diff)] - kth).abs().max()
+                    assert gap <= rtol * kth, f"{what}: seq {b} row {r} head {h}: {len(diff)} keys differ, {gap:.3g}"
+                checked += kb
+        for r in range(pooled[b].shape[1], R):  # rows past this sequence's last tile
+            assert bool((sel.indices[b, :, r] == -1).all()), f"{what}: seq {b} row {r} beyond its tiles"
+    assert checked > 0, f"{what}: no key selected at all: the case tests nothing"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_prefill_kernels_match_reference(case):
+    B, H, G, N, L, D, T, dt, chunked = case
+    seed = N * 31 + G * 7 + D
+    q64, k64, v64, kv_start, q_offset = _inputs(case, seed)
+    q, k, v = q64.to(dt), k64.to(dt), v64.to(dt)
+    scale = D**-0.5
+    budget = _budget(T)
+    end = q_offset + L
+    kk, vv = _poison(k, kv_start, end), _poison(v, kv_start, end)
+    pos = {"scale": scale, "kv_start": kv_start, "q_offset": q_offset}
+    # small blocks so that several query / key blocks and row blocks are exercised at these tiny sizes
+    blk = {"block_m": 32 if G * 8 <= 32 else 64, "block_n": 16}
+
+    # dense (+ LSE)
+    want = reference.dense_attention(q64, k64, v64, **pos)
+    lowp = reference.dense_attention(q, k, v, **pos)
+    got, lse = tp.dense_prefill(q, kk, vv, return_lse=True, out=_nan_like(q), **pos, **blk)
+    _assert_close(got, want, lowp, "dense")
+    lse_only = tp.prefill_lse(q, kk, **pos, **blk)
+    for b in range(B):  # the LSE against fp64 logsumexp of the valid causal rows
+        s0 = int(kv_start[b])
+        for i in range(L):
+            slot = q_offset + i
+            if slot < s0:
+                assert torch.isinf(lse[b, :, i]).all() and (lse[b, :, i] < 0).all(), "padding query LSE"
+                continue
+            sc = torch.einsum("hd,hkd->hk", q[b, :, i].double(),
+                              k[b, :, s0 : slot + 1].double().repeat_interleave(G, 0)) * scale
+            ref_lse = torch.logsumexp(sc, -1)
+            assert torch.allclose(lse[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"LSE seq {b} query {i}"
+            assert torch.allclose(lse_only[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"QK-only LSE {b} {i}"
+
+    # selection: given the LSE, computing its own, and with a buffer so small that every chunk is one tile
+    want_sel = reference.select(q, k, budget=budget, **pos)
+    pooled = _pooled_rows(q, k, kv_start, q_offset, scale, T)
+    for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1})):
+        sel = tp.select_prefill(q, kk, budget=budget, **pos, **kw, block_n=16)
+        _check_selection(sel, want_sel, pooled, kv_start, q_offset, L, budget, f"select/{what}")
+
+    # sparse over the reference's selection, int64 and int32 indices
+    want = reference.sparse_attention(q64, k64, v64, want_sel, **pos)
+    lowp = reference.sparse_attention(q, k, v, want_sel, **pos)
+    for idt in (torch.int64, torch.int32):
+        s = type(want_sel)(want_sel.indices.to(idt), want_sel.row_start, want_sel.tile, False)
+        got = tp.sparse_prefill(q, kk, vv, s, out=_nan_like(q), **pos, **blk)
+        _assert_close(got, want, lowp, f"sparse {idt}")
+
+    # the anchor path end to end: its output over its own selection
+    out_a, sel_a = tp.anchor_prefill(q, kk, vv, budget=budget, **pos)
+    _check_selection(sel_a, want_sel, pooled, kv_start, q_offset, L, budget, "anchor selection")
+    want = reference.sparse_attention(q64, k64, v64, sel_a, **pos)
+    _assert_close(out_a, want, reference.sparse_attention(q, k, v, sel_a, **pos), "anchor output")
+
+
+def test_padding_queries_get_zeros_and_chunk_starts_mid_tile():
+    """A sequence whose first valid key comes after the first query slot (queries at padding slots), in a
+    chunked call whose first query sits mid-tile: outputs of padding queries are exactly zero."""
+    B, H, G, D, T = 2, 1, 2, 64, 16
+    N, L = 90, 50
+    q_offset = N - L  # 40: mid-tile for sequence 0 (tile 2 starts at 32)
+    kv_start = torch.tensor([0, 55])  # sequence 1: slots 40..54 are padding queries
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H * G, L, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    kk, vv = _poison(k, kv_start, N), _poison(v, kv_start, N)
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+    budget = _budget(T)
+    sel = reference.select(q, k, budget=budget, **pos)
+    assert int(sel.row_start[0]) == 2 and int(sel.row_start[1]) == 0
+    dense = tp.dense_prefill(q, kk, vv, out=_nan_like(q), **pos)
+    sparse = tp.sparse_prefill(q, kk, vv, sel, out=_nan_like(q), **pos)
+    for got in (dense, sparse):
+        assert torch.equal(got[1, :, :15], torch.zeros_like(got[1, :, :15]))
+        assert not torch.isnan(got).any() and bool((got[1, :, 15:] != 0).any())
+    _assert_close(sparse, reference.sparse_attention(q.double(), k.double(), v.double(), sel, **pos),
+                  reference.sparse_attention(q, k, v, sel, **pos), "sparse with padding queries")
+
+
+def test_selection_chunks_bound_the_buffer(monkeypatch):
+    """The score buffer of one chunk never exceeds max_chunk_bytes (the top-k temporaries counted), and splitting
+    the tiles into many chunks gives the same selection as one chunk."""
+    B, H, G, D, T = 1, 2, 2, 64, 16
+    N = 160
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H * G, N, D, generator=g).to(torch.float16)
+    k = torch.randn(B, H, N, D, generator=g).to(torch.float16)
+    budget = Budget(ratio=0.25, k_min=4, tile=T)
+    sizes = []
+    real_empty = torch.empty
+
+    def spy(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if kw.get("dtype") == torch.float32 and len(shape) == 4 and shape[:2] == (B, H):
+            sizes.append(t.numel() * 4)
+        return t
+
+    lse = tp.prefill_lse(q, k, scale=D**-0.5)
+    one = tp.select_prefill(q, k, budget=budget, scale=D**-0.5, lse=lse)
+    monkeypatch.setattr(tp.torch, "empty", spy)
+    many = tp.select_prefill(q, k, budget=budget, scale=D**-0.5, lse=lse, max_chunk_bytes=8192)
+    monkeypatch.undo()
+    assert len(sizes) > 2, "the small bound should split the tiles into several chunks"
+    assert max(sizes) <= 8192
+    assert torch.equal(one.indices, many.indices)
