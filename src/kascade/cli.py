@@ -27,6 +27,48 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _csv(kind, choices):
+    def parse(value):
+        items = list(choices) if value == "all" else [x.strip() for x in value.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {bad or value!r}; choose from: all, {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def _eval(args) -> int:
+    import platform
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from .eval import runner
+    from .models import load_model
+    from .plan import KascadePlan
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model, tok = load_model(args.model, device=args.device, dtype=dtype)
+    plan = KascadePlan.load(args.plan) if args.plan else None
+    budget = {k: v for k, v in dict(ratio=args.ratio, k_min=args.k_min).items() if v is not None}
+    tasks = [] if args.longbench and args.tasks is None else (args.tasks or ["fidelity", "niah_single_number"])
+    rows = runner.run(model, tok, strategies=args.strategies, tasks=tasks, lengths=args.lengths,
+                      samples=args.samples, seed=args.seed, plan=plan, budget=budget or None,
+                      longbench_file=args.longbench, longbench_limit=args.longbench_limit,
+                      omnikv_layer=args.omnikv_layer)
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.machine()})"
+    header = (f"machine: {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
+              f"model {args.model or 'SmolLM2-135M-Instruct (default)'}; seed {args.seed}; "
+              f"{args.samples} sample(s) per task and length")
+    r = runner.write(rows, Path(args.out), header)
+    print()
+    print(r["markdown"])
+    print("wrote " + ", ".join(str(f) for f in r["files"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kascade",
@@ -87,6 +129,42 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="which development windows (default: 0)")
     c.add_argument("--out", default="kascade-calibration", help="output folder (default: ./kascade-calibration)")
     c.set_defaults(func=_calibrate)
+
+    from .eval.runner import TASKS
+    from .eval.strategies import STRATEGIES
+
+    e = sub.add_parser(
+        "eval",
+        help="accuracy of Kascade against dense, the oracle and other sparse methods at the same budget",
+        description="Runs each strategy on each task through the same attention path and budget. Tasks: "
+        "'fidelity' (teacher-forced top-1 agreement, KL and NLL against dense on held-out pydoc_data windows; "
+        "score = agreement) and RULER-style generated tasks (needle in a haystack: single number / word, "
+        "multikey, multivalue, multiquery; variable tracking; common and frequent words extraction; score = "
+        "RULER string match), plus LongBench-format files (--longbench). Strategies: dense; oracle (every layer "
+        "selects its own top-k); kascade (the calibrated plan); kascade-no-headmap; kascade-shared (one index set "
+        "for all heads); streamingllm (4 sinks + recent window); quest (16-key pages by query-aware min/max "
+        "bounds); omnikv (one selection layer reused by all later layers). The attended fraction of keys is "
+        "measured from the selections made. Writes results.json, results.csv (per sample), summary.md and "
+        "scores.png into --out.",
+    )
+    e.add_argument("--model", default=None,
+                   help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=list(STRATEGIES),
+                   help="comma-separated strategies, or 'all' (default: all)")
+    e.add_argument("--tasks", type=_csv("task", TASKS), default=None,
+                   help="comma-separated tasks, or 'all' (default: fidelity,niah_single_number; none with --longbench)")
+    e.add_argument("--lengths", type=int, nargs="+", default=[2048], help="prompt lengths in tokens (default: 2048)")
+    e.add_argument("--samples", type=int, default=2, help="samples per task and length (default: 2)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
+    e.add_argument("--plan", default=None, help="plan JSON for the kascade strategies (default: shipped plan)")
+    e.add_argument("--ratio", type=float, default=None, help="override the budget ratio for every strategy")
+    e.add_argument("--k-min", type=int, default=None, help="override k_min for every strategy")
+    e.add_argument("--omnikv-layer", type=int, default=2, help="the OmniKV-style selection layer (default: 2)")
+    e.add_argument("--longbench", default=None, help="a LongBench-format JSONL file (context, input, answers, dataset)")
+    e.add_argument("--longbench-limit", type=int, default=None, help="use at most this many LongBench records")
+    e.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16) (default: cpu)")
+    e.add_argument("--out", default="kascade-eval", help="output folder (default: ./kascade-eval)")
+    e.set_defaults(func=_eval)
     return p
 
 

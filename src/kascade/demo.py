@@ -106,7 +106,8 @@ def report(r: dict) -> str:
     lines = [
         f"prompt: {r['prompt_tokens']} tokens (needle: {r['expected']!r}), device {r['device']}, model load {r['load_s']:.1f} s",
         f"plan: {len(plan.anchors)} anchors {list(plan.anchors)} of {plan.num_layers} layers, ratio {plan.ratio}, "
-        f"k_min {plan.k_min}, tile {plan.tile} ({'calibrated' if plan.calibrated else 'UNCALIBRATED'}: {plan.source})",
+        f"k_min {plan.k_min}, tile {plan.tile}" + ("" if plan.calibrated else " (UNCALIBRATED)"),
+        f"      {plan.source}",
         "",
         f"{'':8} {'prefill s':>10} {'decode s/tok':>13}  answer",
     ]

@@ -94,12 +94,21 @@ class ForwardState:
 
 
 class KascadeRuntime:
-    """Computes every layer's attention for one enabled model according to its plan."""
+    """Computes every layer's attention for one enabled model according to its plan.
 
-    def __init__(self, plan: KascadePlan, backend: str):
+    ``selector`` (default :func:`kascade.ops.select`) is what an anchor layer calls to choose its keys; the
+    evaluation baselines (StreamingLLM, Quest, ...) swap it and keep everything else, so every strategy runs
+    through the same sparse attention. With ``account=True`` the runtime sums, per layer, the keys actually
+    attended and the keys dense attention would attend (``self.attended``: layer -> [attended, dense]).
+    """
+
+    def __init__(self, plan: KascadePlan, backend: str, selector=None, account: bool = False):
         self.plan = plan
         self.budget = plan.budget
         self.backend = backend
+        self.selector = selector or ops.select
+        self.account = account
+        self.attended: dict[int, list[int]] = {}
         self.state: ForwardState | None = None
 
     def attend(self, layer: int, q, k, v, mask, scale) -> torch.Tensor:
@@ -115,16 +124,27 @@ class KascadeRuntime:
         kw = dict(scale=scale, kv_start=st.kv_start, q_offset=st.q_offset, backend=self.backend)
         plan = self.plan
         if plan.is_anchor(layer):
-            sel = ops.select(q, k, budget=self.budget, **kw)
+            sel = self.selector(q, k, budget=self.budget, **kw)
             st.selections[layer] = sel
             if layer == 0:
+                if self.account:
+                    self._count(layer, None, L, st)
                 return ops.dense_attention(q, k, v, **kw)
         else:
             anchor = plan.anchor_of(layer)
             if anchor not in st.selections:
                 raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
             sel = st.selections[anchor].remap(plan.head_map[layer])
+        if self.account:
+            self._count(layer, sel, L, st)
         return ops.sparse_attention(q, k, v, sel, **kw)
+
+    def _count(self, layer, sel, L, st):
+        att, dense = ops.attended_keys(sel, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
+                                       num_kv_heads=self.plan.fingerprint.num_kv_heads)
+        tot = self.attended.setdefault(layer, [0, 0])
+        tot[0] += att
+        tot[1] += dense
 
 
 def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -207,12 +227,13 @@ def check_supported(model) -> None:
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")
 
 
-def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference") -> KascadeHandle:
+def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference", selector=None,
+           account: bool = False, warn_uncalibrated: bool = True) -> KascadeHandle:
     """Route every attention layer of ``model`` through Kascade with ``plan``.
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
     uniform plan (with a warning). Use as ``with kascade.enable(model): ...`` or keep the handle and call
-    ``kascade.disable(model)``.
+    ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
@@ -222,10 +243,10 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     if not isinstance(plan, KascadePlan):
         raise TypeError(f"plan must be a KascadePlan, got {type(plan).__name__}")
     plan.check_model(model)
-    if not plan.calibrated:
+    if not plan.calibrated and warn_uncalibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
                       "calibrated one (see `kascade calibrate`)", stacklevel=2)
-    return attach(model, KascadeRuntime(plan, backend))
+    return attach(model, KascadeRuntime(plan, backend, selector=selector, account=account))
 
 
 def attach(model, runtime) -> KascadeHandle:

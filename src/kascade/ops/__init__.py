@@ -20,7 +20,7 @@ from ..budget import Budget
 from . import reference
 from .selection import Selection
 
-__all__ = ["Budget", "Selection", "dense_attention", "select", "sparse_attention"]
+__all__ = ["Budget", "Selection", "attended_keys", "dense_attention", "select", "sparse_attention"]
 
 BACKENDS = ("reference",)
 
@@ -72,15 +72,17 @@ def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backen
     return reference.dense_attention(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
-def select(q, k, *, budget: Budget = Budget(), scale=None, kv_start=None, q_offset=None, backend="reference") -> Selection:
+def select(q, k, *, budget: Budget = Budget(), scale=None, kv_start=None, q_offset=None, shared: bool = False,
+           backend="reference") -> Selection:
     """Anchor selection: exact post-softmax probabilities pooled per KV head (over the ``G`` heads of the group,
     and over each tile of ``budget.tile`` queries in prefill), then the top-k keys per (sequence, KV head, row)
     with the spec's budget (``kascade.budget.Budget``). Prefill tiles choose among keys strictly before the tile;
-    a decode query chooses among all keys."""
+    a decode query chooses among all keys. ``shared=True`` pools over all KV heads too and gives every head the
+    same set (the non-head-aware baseline; not Kascade's default)."""
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
     scale, kv_start, q_offset = _check(q, k, None, scale, kv_start, q_offset, backend)
-    return reference.select(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset)
+    return reference.select(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, shared=shared)
 
 
 def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None, q_offset=None, backend="reference"):
@@ -101,3 +103,28 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
     if idx.numel() and (int(idx.max()) >= q_offset + L or int(idx.min()) < -1):
         raise ValueError(f"selection indices must lie in [-1, {q_offset + L}), got [{int(idx.min())}, {int(idx.max())}]")
     return reference.sparse_attention(q, k, v, selection, scale=scale, kv_start=kv_start, q_offset=q_offset)
+
+
+def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: int, num_kv_heads: int) -> tuple[int, int]:
+    """``(attended, dense)``: keys attended by all (sequence, KV head, real query) triples under ``selection``
+    (selected keys plus, in prefill, the causal part of the own tile), and what dense attention would attend.
+    ``selection=None`` means dense. Counts are per KV head: the G query heads of a group share a set."""
+    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
+    att = dense = 0
+    for b in range(kv_start.shape[0]):
+        n = q_offset + L - int(kv_start[b])
+        pos = torch.arange(max(0, n - L), n)  # positions of this sequence's real queries
+        d = int((pos + 1).sum()) * num_kv_heads
+        dense += d
+        if selection is None:
+            att += d
+            continue
+        cnt = (selection.indices[b] >= 0).sum(-1).cpu()  # [H, R]
+        if selection.decode:
+            att += int(cnt[:, 0].sum())
+            continue
+        T = selection.tile
+        rows = pos // T - int(selection.row_start[b])
+        own = pos - (pos // T) * T + 1
+        att += int(cnt[:, rows].sum()) + int(own.sum()) * cnt.shape[0]
+    return att, dense

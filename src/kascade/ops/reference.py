@@ -72,13 +72,14 @@ def dense_attention(q, k, v, *, scale: float, kv_start: torch.Tensor, q_offset: 
 # ----------------------------------------------------------------------------------------------------------------
 # Pooled probabilities (shared by selection and calibration)
 # ----------------------------------------------------------------------------------------------------------------
-def iter_pooled_prefill(q: torch.Tensor, k: torch.Tensor, scale: float, tile: int):
+def iter_pooled_prefill(q: torch.Tensor, k: torch.Tensor, scale: float, tile: int, shared: bool = False):
     """Exact post-softmax probabilities of one sequence, pooled per KV head over the G heads and each tile.
 
     ``q [HQ, l, D]`` at positions ``n-l..n-1``, ``k [H, n, D]``. Yields ``(t0, pooled)`` for consecutive chunks of
     tiles: ``pooled [H, c, m]`` (fp32/fp64) holds, for absolute tiles ``t0..t0+c-1``, the sum over the tile's queries
     that are in this call and the group's heads of ``softmax(q k^T * scale)`` over the causal prefix, for keys
-    ``0..m-1`` (every key the chunk's queries can see, own tiles included).
+    ``0..m-1`` (every key the chunk's queries can see, own tiles included). ``shared=True`` also sums over the
+    KV heads (every head gets the same pooled row: the non-head-aware baseline).
     """
     HQ, l, D = q.shape
     H, n, _ = k.shape
@@ -95,17 +96,20 @@ def iter_pooled_prefill(q: torch.Tensor, k: torch.Tensor, scale: float, tile: in
         s = torch.einsum("hgqd,hkd->hgqk", q[:, a - p0 : e - p0].view(H, G, e - a, D), k[:, :m]) * scale
         s = s.masked_fill(kpos[:m][None, :] > qpos[:, None], float("-inf"))
         per_query = s.softmax(-1).sum(1)  # [H, e-a, m]
+        if shared:
+            per_query = per_query.sum(0, keepdim=True).expand(H, -1, -1)
         pooled = per_query.new_zeros(H, t1 - t0, m)
         pooled.index_add_(1, qpos // tile - t0, per_query)
         yield t0, pooled
 
 
-def pooled_decode(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def pooled_decode(q: torch.Tensor, k: torch.Tensor, scale: float, shared: bool = False) -> torch.Tensor:
     """One decode query of one sequence, ``q [HQ, 1, D]``, ``k [H, n, D]`` -> pooled probabilities ``[H, n]``."""
     HQ, _, D = q.shape
     H, n, _ = k.shape
     s = torch.einsum("hgd,hkd->hgk", q.view(H, HQ // H, D), k) * scale
-    return s.softmax(-1).sum(1)
+    p = s.softmax(-1).sum(1)
+    return p.sum(0, keepdim=True).expand(H, -1) if shared else p
 
 
 def _topk_sorted(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -124,13 +128,13 @@ def _topk_sorted(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Selection
 # ----------------------------------------------------------------------------------------------------------------
-def _select_prefill_one(q, k, scale: float, budget: Budget) -> tuple[torch.Tensor, int]:
+def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False) -> tuple[torch.Tensor, int]:
     """One sequence in prefill: indices ``[H, R, K]`` (compact key positions) and the first row's tile."""
     H, n, _ = k.shape
     T = budget.tile
     t_first = (n - q.shape[1]) // T
     rows, counts = [], []
-    for t0, pooled in iter_pooled_prefill(q, k, scale, T):
+    for t0, pooled in iter_pooled_prefill(q, k, scale, T, shared):
         c, m = pooled.shape[1], pooled.shape[2]
         s = torch.arange(t0, t0 + c, device=q.device) * T  # first position of each tile
         cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], float("-inf"))
@@ -146,7 +150,8 @@ def _select_prefill_one(q, k, scale: float, budget: Budget) -> tuple[torch.Tenso
     return idx, t_first
 
 
-def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int) -> Selection:
+def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
+           shared: bool = False) -> Selection:
     """Anchor selection. Arguments as in :func:`kascade.ops.select`."""
     B, HQ, L, D = q.shape
     H = k.shape[1]
@@ -157,9 +162,9 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
         start, n, l = _valid_span(kv_start, q_offset, L, b)
         qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
         if decode:
-            idx, t = _topk_sorted(pooled_decode(qb, kb, scale)[:, None, :], [budget.decode(n)]), 0
+            idx, t = _topk_sorted(pooled_decode(qb, kb, scale, shared)[:, None, :], [budget.decode(n)]), 0
         else:
-            idx, t = _select_prefill_one(qb, kb, scale, budget)
+            idx, t = _select_prefill_one(qb, kb, scale, budget, shared)
         per_seq.append(torch.where(idx >= 0, idx + start, -1))
         row_start.append(t)
     R = max(x.shape[1] for x in per_seq)

@@ -1,0 +1,108 @@
+"""LongBench-format data (JSONL with ``context``, ``input``, ``answers``, ``dataset``) and LongBench's metrics."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import string
+from collections import Counter
+from pathlib import Path
+
+from .ruler import Sample
+
+FIELDS = ("context", "input", "answers", "dataset")
+
+
+def normalize_answer(s: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces (SQuAD / LongBench normalisation)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def qa_f1(prediction: str, answer: str) -> float:
+    p, g = normalize_answer(prediction).split(), normalize_answer(answer).split()
+    common = Counter(p) & Counter(g)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _lcs(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(prediction: str, answer: str) -> float:
+    """ROUGE-L F-measure on whitespace tokens."""
+    p, g = prediction.lower().split(), answer.lower().split()
+    if not p or not g:
+        return 0.0
+    lcs = _lcs(p, g)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(p), lcs / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def classification_score(prediction: str, answer: str) -> float:
+    """1 if the gold class name appears in the prediction, else 0."""
+    return float(answer.strip().lower() in prediction.lower())
+
+
+def code_sim(prediction: str, answer: str) -> float:
+    """Edit similarity of the first non-comment line of the prediction to the answer (0..1)."""
+    line = next((ln for ln in prediction.lstrip("\n").split("\n") if ln.strip() and not ln.strip().startswith(("#", "//", "`"))), "")
+    return difflib.SequenceMatcher(None, line, answer).ratio()
+
+
+METRICS = {"qa_f1": qa_f1, "rouge_l": rouge_l, "classification": classification_score, "code_sim": code_sim}
+DATASET_METRIC = {
+    **{d: "qa_f1" for d in ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa")},
+    **{d: "rouge_l" for d in ("gov_report", "qmsum", "multi_news", "samsum", "vcsum")},
+    **{d: "classification" for d in ("trec", "lsht")},
+    **{d: "code_sim" for d in ("lcc", "repobench-p")},
+}
+
+
+def score(dataset: str, prediction: str, answers: list[str]) -> float:
+    """LongBench's score: the dataset's metric, maximised over the gold answers."""
+    metric = METRICS[DATASET_METRIC.get(dataset, "qa_f1")]
+    return max(metric(prediction, a) for a in answers)
+
+
+def load(path: str | Path, limit: int | None = None) -> list[Sample]:
+    """Samples from a LongBench-format JSONL file; ValueError naming the line for a malformed record."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no LongBench file at {path}")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        missing = [f for f in FIELDS if f not in rec]
+        if missing:
+            raise ValueError(f"{path}:{n}: missing LongBench field(s) {missing}")
+        answers = rec["answers"] if isinstance(rec["answers"], list) else [rec["answers"]]
+        prompt = (f"Read the text below and answer the question.\n\n{rec['context']}\n\n"
+                  f"Question: {rec['input']}\nAnswer:")
+        out.append(Sample(task=f"longbench/{rec['dataset']}", prompt=prompt, answers=[str(a) for a in answers],
+                          max_new_tokens=64, meta=dict(dataset=rec["dataset"], line=n)))
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path} holds no LongBench records")
+    return out

@@ -1,0 +1,174 @@
+"""Sparse-attention strategies compared by the evaluation harness.
+
+Every strategy is a (plan, selector) pair run by the same :class:`kascade.integration.hf.KascadeRuntime`: the
+plan says which layers choose keys and which reuse them, the selector how keys are chosen (same signature as
+:func:`kascade.ops.select`, same budget). All of them keep layer 0 dense and attend through the same sparse
+attention op, so they differ only in *which* keys they attend.
+
+- dense:               no sparsity.
+- oracle:              every layer selects its own top-k (exact pooled probabilities).
+- kascade:             the calibrated plan (shipped for the model, or given).
+- kascade-no-headmap:  the same anchors, identity head map.
+- kascade-shared:      the same anchors, one index set per layer pooled over all heads (the paper's ablation).
+- streamingllm:        attention sinks (first 4 keys) plus the most recent keys, same count as the budget.
+- quest:               query-aware selection of 16-key pages by the upper bound sum_d max(q_d min_d, q_d max_d)
+                       of per-page key minima/maxima, pooled over the group (and the tile in prefill), as many
+                       whole pages as fit in the token budget; every layer selects.
+- omnikv:              one selection layer (``omnikv_layer``, default 2) pooled over all heads; every later layer
+                       reuses its indices, layers before it reuse layer 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+
+from .. import ops
+from ..budget import Budget
+from ..ops.selection import Selection
+from ..plan import KascadePlan, ModelFingerprint, default_plan
+
+STRATEGIES = ("dense", "oracle", "kascade", "kascade-no-headmap", "kascade-shared", "streamingllm", "quest",
+              "omnikv")
+SINKS = 4
+PAGE = 16
+
+
+def _assemble(per_seq: list[torch.Tensor], row_start: list[int], tile: int, decode: bool, H: int, device) -> Selection:
+    """Per-sequence ``[R_b, K_b]`` (same for all heads) or ``[H, R_b, K_b]`` absolute indices -> a Selection."""
+    per_seq = [x.unsqueeze(0).expand(H, -1, -1) if x.dim() == 2 else x for x in per_seq]
+    R = max(x.shape[1] for x in per_seq)
+    K = max(x.shape[2] for x in per_seq)
+    idx = torch.full((len(per_seq), H, R, K), -1, dtype=torch.long, device=device)
+    for b, x in enumerate(per_seq):
+        idx[b, :, : x.shape[1], : x.shape[2]] = x
+    return Selection(idx, torch.tensor(row_start, dtype=torch.long, device=device), tile, decode)
+
+
+def _rows(n: int, L: int, budget: Budget, decode: bool):
+    """(first tile, [(cand_end, count)] per row): candidates are compact positions ``[0, cand_end)``."""
+    if decode:
+        return 0, [(n, budget.decode(n))]
+    T = budget.tile
+    t_first, t_last = (n - min(L, n)) // T, (n - 1) // T
+    return t_first, [(t * T, budget.prefill_tile(t * T, n)) for t in range(t_first, t_last + 1)]
+
+
+def _sorted_padded(rows: list[torch.Tensor], device) -> torch.Tensor:
+    K = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), K), -1, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r.sort().values
+    return out
+
+
+def streaming_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=None, backend="reference",
+                     sinks: int = SINKS) -> Selection:
+    """StreamingLLM: the first ``sinks`` keys plus the most recent ones, ``count`` keys in all per row."""
+    B, _, L, _ = q.shape
+    H, N = k.shape[1], k.shape[2]
+    q_offset = N - L if q_offset is None else q_offset
+    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
+    per_seq, starts = [], []
+    for b in range(B):
+        start = int(kv_start[b])
+        n = q_offset + L - start
+        t_first, rows = _rows(n, L, budget, L == 1)
+        chosen = []
+        for end, cnt in rows:
+            s = min(sinks, cnt)
+            recent = torch.arange(max(s, end - (cnt - s)), end)
+            chosen.append(torch.cat([torch.arange(s), recent]) + start)
+        per_seq.append(_sorted_padded(chosen, q.device))
+        starts.append(t_first)
+    return _assemble(per_seq, starts, budget.tile, L == 1, H, q.device)
+
+
+def quest_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=None, backend="reference",
+                 page: int = PAGE) -> Selection:
+    """Quest: whole pages by their query-aware upper bound, as many as fit in the token budget."""
+    B, HQ, L, D = q.shape
+    H, N = k.shape[1], k.shape[2]
+    G = HQ // H
+    T = budget.tile
+    q_offset = N - L if q_offset is None else q_offset
+    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
+    per_seq, starts = [], []
+    for b in range(B):
+        start = int(kv_start[b])
+        n = q_offset + L - start
+        l = min(L, n)
+        kb = k[b, :, start : start + n].float()  # [H, n, D]
+        P = (n + page - 1) // page
+        padded = torch.nn.functional.pad(kb, (0, 0, 0, P * page - n))
+        valid = torch.nn.functional.pad(torch.ones(n, dtype=torch.bool, device=k.device), (0, P * page - n))
+        big = torch.finfo(torch.float32).max
+        kmin = padded.masked_fill(~valid[None, :, None], big).view(H, P, page, D).amin(2)
+        kmax = padded.masked_fill(~valid[None, :, None], -big).view(H, P, page, D).amax(2)
+        qb = q[b, :, L - l :].float().view(H, G, l, D)
+        t_first, rows = _rows(n, L, budget, L == 1)
+        chosen = []
+        for r, (end, cnt) in enumerate(rows):
+            if cnt >= end:  # dense row: everything before
+                chosen.append(torch.arange(end, device=q.device).expand(H, -1))
+                continue
+            if L == 1:
+                qt = qb  # [H, G, 1, D]
+            else:
+                a = max((t_first + r) * T, n - l) - (n - l)
+                e = min((t_first + r + 1) * T, n) - (n - l)
+                qt = qb[:, :, a:e]
+            # sum over the group's heads and queries of sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min
+            qp, qn = qt.clamp(min=0).sum((1, 2)), qt.clamp(max=0).sum((1, 2))  # [H, D]
+            score = torch.einsum("hd,hpd->hp", qp, kmax) + torch.einsum("hd,hpd->hp", qn, kmin)  # [H, P]
+            pages_before = (end + page - 1) // page  # pages holding candidates (the last may be partial)
+            npages = min(cnt // page, pages_before)
+            top = score[:, :pages_before].topk(npages, dim=-1).indices  # [H, npages]
+            toks = (top[..., None] * page + torch.arange(page, device=q.device)).reshape(H, -1)
+            toks = torch.where(toks < end, toks, -1)
+            chosen.append(toks)
+        K = max(c.shape[1] for c in chosen)
+        idx = torch.full((H, len(chosen), K), -1, dtype=torch.long, device=q.device)
+        for r, c in enumerate(chosen):
+            c = torch.where(c >= 0, c + start, -1)
+            big_i = torch.iinfo(torch.long).max
+            c = torch.where(c >= 0, c, big_i).sort(-1).values
+            idx[:, r, : c.shape[1]] = torch.where(c == big_i, -1, c)
+        per_seq.append(idx)
+        starts.append(t_first)
+    return _assemble(per_seq, starts, T, L == 1, H, q.device)
+
+
+def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_layer: int = 2,
+                  budget: dict | None = None):
+    """``(plan, selector)`` for a strategy name, or ``None`` for dense. ``plan`` is the calibrated plan (default:
+    the shipped one for the model); ``budget`` overrides its ratio / k_min / tile / rolling for every strategy."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if name == "dense":
+        return None
+    fp = ModelFingerprint.from_model(model)
+    base = plan or default_plan(model)
+    if budget:
+        base = base.with_budget(**budget)
+    b = dict(ratio=base.ratio, k_min=base.k_min, tile=base.tile, rolling=base.rolling)
+    ident = (tuple(range(fp.num_kv_heads)),) * fp.num_layers
+    if name == "oracle":
+        return KascadePlan.all_anchors(fp, **b), ops.select
+    if name == "kascade":
+        return base, ops.select
+    if name == "kascade-no-headmap":
+        return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), ops.select
+    if name == "kascade-shared":
+        return dataclasses.replace(base, head_map=ident, source=base.source + "; shared across heads"), \
+            partial(ops.select, shared=True)
+    if name == "streamingllm":
+        return KascadePlan(fp, (0,), ident, source="StreamingLLM: sinks + recent window", **b), streaming_select
+    if name == "quest":
+        return KascadePlan.all_anchors(fp, **b), quest_select
+    if not 0 < omnikv_layer < fp.num_layers:
+        raise ValueError(f"omnikv_layer must be in 1..{fp.num_layers - 1}, got {omnikv_layer}")
+    return (KascadePlan(fp, (0, omnikv_layer), ident, source=f"OmniKV-style: layer {omnikv_layer} selects", **b),
+            partial(ops.select, shared=True))

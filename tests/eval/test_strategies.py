@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+import kascade
+from conftest import tiny_model
+from kascade.budget import Budget
+from kascade.eval.strategies import STRATEGIES, make_strategy, quest_select, streaming_select
+
+
+@pytest.mark.parametrize("name", [s for s in STRATEGIES if s != "dense"])
+def test_every_strategy_at_full_budget_equals_dense(name):
+    model = tiny_model("llama", num_key_value_heads=3)
+    ids = torch.randint(3, 97, (1, 128), generator=torch.Generator().manual_seed(0))
+    plan, selector = make_strategy(name, model, budget=dict(ratio=1.0, k_min=1))
+    with torch.no_grad():
+        dense = model(ids).logits
+        with kascade.enable(model, plan, selector=selector, account=True, warn_uncalibrated=False) as h:
+            got = model(ids).logits
+    torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+    assert all(a == d for a, d in h.runtime.attended.values())  # every layer attended every causal key
+
+
+def test_small_budget_strategies_attend_about_the_budget():
+    model = tiny_model("llama", num_key_value_heads=3)
+    ids = torch.randint(3, 97, (1, 400), generator=torch.Generator().manual_seed(0))
+    for name in [s for s in STRATEGIES if s != "dense"]:
+        plan, selector = make_strategy(name, model, budget=dict(ratio=0.1, k_min=16, tile=16))
+        with torch.no_grad(), kascade.enable(model, plan, selector=selector, account=True,
+                                             warn_uncalibrated=False) as h:
+            model(ids)
+        a, d = h.runtime.attended[2]
+        assert 0.05 < a / d < 0.35, (name, a / d)  # 10% of keys plus own tiles, far from dense
+        assert h.runtime.attended[0][0] == h.runtime.attended[0][1]  # layer 0 dense
+
+
+def test_streamingllm_selects_sinks_and_recent_window():
+    q = torch.randn(1, 2, 100, 8)
+    k = torch.randn(1, 1, 100, 8)
+    budget = Budget(ratio=0.1, k_min=10, tile=20, rolling=False)
+    sel = streaming_select(q, k, budget=budget)
+    # tile 3 starts at s = 60: budget min(60, k(100) - T) = min(60, -10 -> 0)... k(100) = 10, so 0 keys
+    assert sel.indices.shape[2] == 5
+    budget = Budget(ratio=0.5, k_min=10, tile=20, rolling=False)  # k(100) = 50: tiles select min(s, 30)
+    sel = streaming_select(q, k, budget=budget)
+    row = sel.indices[0, 0, 3]  # s = 60, 30 keys: sinks 0..3 + recent 34..59
+    assert row.tolist() == [0, 1, 2, 3] + list(range(34, 60))
+    row1 = sel.indices[0, 0, 1]  # s = 20 <= 30: dense, 0..19
+    assert row1[row1 >= 0].tolist() == list(range(20))
+    qd = q[:, :, -1:]
+    d = streaming_select(qd, k, budget=budget).indices[0, 0, 0]
+    assert d.tolist() == [0, 1, 2, 3] + list(range(54, 100))  # decode: k(100) = 50 keys
+
+
+def test_quest_picks_the_page_with_the_largest_bound():
+    """Keys are zero except one page with large values along the query's direction: Quest must take it."""
+    T, page = 16, 16
+    n = 80
+    k = torch.zeros(1, 1, n, 4)
+    k[0, 0, 16:32, 0] = 5.0  # page 1
+    k[0, 0, 48:64, 0] = -5.0  # page 3: large magnitude, but against the query
+    q = torch.zeros(1, 2, 1, 4)
+    q[..., 0] = 1.0
+    budget = Budget(ratio=0.2, k_min=16, tile=T)  # decode: k(80) = 16 keys = one page
+    sel = quest_select(q, k, budget=budget, page=page)
+    assert sel.indices[0, 0, 0].tolist() == list(range(16, 32))
+    q[..., 0] = -1.0  # now page 3 is the one aligned with the query
+    assert quest_select(q, k, budget=budget, page=page).indices[0, 0, 0].tolist() == list(range(48, 64))
+
+
+def test_unknown_strategy_is_refused():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_strategy("magic", tiny_model("llama"))
