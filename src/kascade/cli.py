@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=None,
                    help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=list(STRATEGIES),
-                   help="comma-separated strategies, or 'all' (default: all)")
+                   help=f"comma-separated strategies, or 'all' (default: all); from: {', '.join(STRATEGIES)}")
     e.add_argument("--tasks", type=_csv("task", TASKS), default=None,
-                   help="comma-separated tasks, or 'all' (default: fidelity,niah_single_number; none with --longbench)")
+                   help="comma-separated tasks, or 'all' (default: fidelity,niah_single_number; none with --longbench); "
+                   f"from: {', '.join(TASKS)}")
     e.add_argument("--lengths", type=int, nargs="+", default=[2048], help="prompt lengths in tokens (default: 2048)")
     e.add_argument("--samples", type=int, default=2, help="samples per task and length (default: 2)")
     e.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
