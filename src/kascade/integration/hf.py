@@ -238,6 +238,13 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     check_supported(model)
+    if backend == "triton":
+        p = next(model.parameters())
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        fp = ModelFingerprint.from_config(cfg)
+        why = ops.triton_unavailable_reason(p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads)
+        if why:
+            raise ValueError(why)
     if plan is None:
         plan = default_plan(model)
     if not isinstance(plan, KascadePlan):

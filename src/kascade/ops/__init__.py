@@ -10,9 +10,17 @@ sits before ``kv_start[b]``; slots from ``q_offset + L`` on are unused cache spa
 a left-padded sequence is treated exactly as if it ran alone.
 
 A call with ``L == 1`` is a decode step; ``L > 1`` is (chunked) prefill in tiles of ``budget.tile`` queries.
+
+Backends: ``"reference"`` (pure PyTorch, any device: the specification) and ``"triton"`` (CUDA tensors, fp16 /
+bf16 / fp32, ``D`` in {16, 32, 64, 128, 256}, ``G <= 16``; decode and prefill kernels in :mod:`kascade.ops.triton`).
+Asking for ``"triton"`` where it cannot run is an error, never a silent fallback. With ``TRITON_INTERPRET=1`` the
+Triton kernels also run on CPU tensors (slowly: for tests).
 """
 
+
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,7 +30,39 @@ from .selection import Selection
 
 __all__ = ["Budget", "Selection", "attended_keys", "dense_attention", "select", "sparse_attention"]
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "triton")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_GROUP = 16
+
+
+def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> str | None:
+    """Why the Triton backend cannot serve these inputs (None if it can)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if torch.device(device).type != "cuda" and not interpreting:
+        return f"backend='triton' needs CUDA tensors, got {torch.device(device).type} (use backend='reference')"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "backend='triton' needs triton: pip install 'kascade[triton]'"
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return f"backend='triton' supports fp16, bf16 and fp32, got {dtype}"
+    if head_dim is not None and head_dim not in TRITON_HEAD_DIMS:
+        return f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got {head_dim}"
+    if group is not None and group > TRITON_MAX_GROUP:
+        return f"backend='triton' supports GQA groups up to {TRITON_MAX_GROUP} query heads per KV head, got {group}"
+    return None
+
+
+def _triton(q, k):
+    why = triton_unavailable_reason(q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+    if why:
+        raise ValueError(why)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("backend='triton' needs the head dim contiguous (stride 1) in q, k and v")
+    from .triton import decode, prefill
+
+    return decode if q.shape[2] == 1 else prefill
 
 
 def _check(q, k, v, scale, kv_start, q_offset, backend):
@@ -69,6 +109,10 @@ def _check(q, k, v, scale, kv_start, q_offset, backend):
 def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backend="reference") -> torch.Tensor:
     """Exact causal GQA attention. Returns ``[B, HQ, L, D]``; queries at padding slots get zeros."""
     scale, kv_start, q_offset = _check(q, k, v, scale, kv_start, q_offset, backend)
+    if backend == "triton":
+        mod = _triton(q, k)
+        fn = mod.dense_decode if q.shape[2] == 1 else mod.dense_prefill
+        return fn(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset)
     return reference.dense_attention(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
@@ -82,6 +126,12 @@ def select(q, k, *, budget: Budget = Budget(), scale=None, kv_start=None, q_offs
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
     scale, kv_start, q_offset = _check(q, k, None, scale, kv_start, q_offset, backend)
+    if backend == "triton":
+        if shared:
+            raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
+        mod = _triton(q, k)
+        fn = mod.select_decode if q.shape[2] == 1 else mod.select_prefill
+        return fn(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset)
     return reference.select(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, shared=shared)
 
 
@@ -102,6 +152,11 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
         raise ValueError(f"a {'decode' if selection.decode else 'prefill'} selection cannot serve {L} queries")
     if idx.numel() and (int(idx.max()) >= q_offset + L or int(idx.min()) < -1):
         raise ValueError(f"selection indices must lie in [-1, {q_offset + L}), got [{int(idx.min())}, {int(idx.max())}]")
+    if backend == "triton":
+        mod = _triton(q, k)
+        if L == 1:
+            return mod.sparse_decode(q, k, v, selection.indices, scale=scale, kv_start=kv_start)
+        return mod.sparse_prefill(q, k, v, selection, scale=scale, kv_start=kv_start, q_offset=q_offset)
     return reference.sparse_attention(q, k, v, selection, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
