@@ -14,6 +14,8 @@ from tqdm.auto import tqdm
 from .. import text
 from ..integration.hf import enable
 from . import longbench, ruler
+from .fidelity import scored_logits
+from .metrics import fidelity
 from .strategies import make_strategy
 
 FIDELITY = "fidelity"
@@ -65,30 +67,22 @@ class Session:
         return pred, frac, per_layer, time.perf_counter() - t0, ids["input_ids"].shape[1]
 
     @torch.no_grad()
-    def fidelity(self, window: torch.Tensor, scored_fraction: float = 0.5):
-        """Per strategy: top-1 agreement and KL vs dense, and NLL of the true next tokens, over the last
-        ``scored_fraction`` of the window."""
+    def fidelity(self, window: torch.Tensor):
+        """Per strategy: top-1 agreement and KL vs dense, and NLL of the true next tokens (second half scored)."""
         ids = window[None].to(self.dev)
-        keep = max(1, int(len(window) * scored_fraction)) + 1
-        target = ids[0, -keep + 1 :]
-        d = self.model(ids, use_cache=False, logits_to_keep=keep).logits[0, :-1].float()
-        ld = d.log_softmax(-1)
+        d, target = scored_logits(self.model, ids)
         res = {}
         for name in self.strategies:
             handle = self._ctx(name)
             try:
-                s = d if handle is None else self.model(ids, use_cache=False, logits_to_keep=keep).logits[0, :-1].float()
+                s = d if handle is None else scored_logits(self.model, ids)[0]
             finally:
                 if handle is not None:
                     handle.disable()
-            ls = s.log_softmax(-1)
+            f = fidelity(d, s, targets=target)
             frac, per_layer = _attended_fraction(handle.runtime if handle else None)
-            res[name] = dict(
-                agreement=(s.argmax(-1) == d.argmax(-1)).float().mean().item(),
-                kl=(ld.exp() * (ld - ls)).sum(-1).clamp_min(0).mean().item(),
-                nll=-ls.gather(-1, target[:, None]).mean().item(),
-                attended_fraction=frac, attended_per_layer=per_layer,
-            )
+            res[name] = dict(agreement=f.top1_agreement, kl=f.kl, nll=f.nll, attended_fraction=frac,
+                             attended_per_layer=per_layer)
         return res
 
 
