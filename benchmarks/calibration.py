@@ -67,7 +67,7 @@ def main():
 
     header = (f"machine: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}; "
               f"model SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to fp32)")
-    lines = [f"# Calibration fidelity", "", header, "",
+    lines = ["# Calibration fidelity", "", header, "",
              f"Calibration: {a.cal_samples} dev windows of {a.cal_len} tokens (pydoc_data.topics dev split), k=64, "
              f"took {cal_s:.1f} s. Evaluation: disjoint eval-split windows, teacher-forced, second half of each "
              f"window scored; budget ratio 0.10, k_min 128, tile 32, rolling.", ""]

@@ -1,6 +1,5 @@
 """Streaming calibration statistics against a naive computation from full attention tensors."""
 
-import json
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """kascade.enable on real transformers models: tiny random ones of several families, and the default model."""
 
-import warnings
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ from .. import text
 from ..eval.fidelity import compare_plans
 from ..models import load_model
 from ..plan import ModelFingerprint
-from . import DEFAULT_K, collect_stats, min_window_tokens, objective_table, plan_from_stats
+from . import collect_stats, min_window_tokens, objective_table, plan_from_stats
 
 
 def load_texts(path: str | Path, field: str = "text") -> list[str]:

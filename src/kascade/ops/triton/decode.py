@@ -22,7 +22,6 @@ log-sum-exp in fp32. The error is then that of rounding an exact result to the o
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
