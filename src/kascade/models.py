@@ -57,4 +57,6 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # what Kascade (and batched generation) expects
+    if getattr(tok, "clean_up_tokenization_spaces", False):
+        tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers, and transformers warns about it
     return model, tok
