@@ -9,6 +9,8 @@ is calibrated on never overlap the windows it is judged on.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -55,3 +57,19 @@ def windows(tokenizer, split: str, length: int, count: int, seed: int = 0) -> li
     else:  # the split is too short: evenly spread, overlapping windows
         starts = [round(i * room / max(1, count - 1)) for i in range(count)]
     return [ids[s : s + length].clone() for s in starts]
+
+
+def iter_jsonl(path: str | Path):
+    """``(line number, object)`` for each non-blank line of a JSONL file; ValueError naming the line for bad JSON
+    or a line that is not a JSON object."""
+    path = Path(path)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+        yield n, obj

@@ -26,14 +26,8 @@ def load_texts(path: str | Path, field: str = "text") -> list[str]:
     if path.suffix not in (".jsonl", ".json"):
         return [raw]
     texts = []
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or field not in obj:
+    for n, obj in text.iter_jsonl(path):
+        if field not in obj:
             raise ValueError(f"{path}:{n}: no {field!r} field (use --text-field to name another)")
         if not isinstance(obj[field], str):
             raise ValueError(f"{path}:{n}: the {field!r} field is not a string")

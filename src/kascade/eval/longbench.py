@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import difflib
-import json
 import re
 import string
 from collections import Counter
 from pathlib import Path
 
+from ..text import iter_jsonl
 from .ruler import Sample
 
 FIELDS = ("context", "input", "answers", "dataset")
@@ -86,13 +86,7 @@ def load(path: str | Path, limit: int | None = None) -> list[Sample]:
     if not path.is_file():
         raise FileNotFoundError(f"no LongBench file at {path}")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, rec in iter_jsonl(path):
         missing = [f for f in FIELDS if f not in rec]
         if missing:
             raise ValueError(f"{path}:{n}: missing LongBench field(s) {missing}")

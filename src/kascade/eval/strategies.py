@@ -47,6 +47,13 @@ def _assemble(per_seq: list[torch.Tensor], row_start: list[int], tile: int, deco
     return Selection(idx, torch.tensor(row_start, dtype=torch.long, device=device), tile, decode)
 
 
+def _defaults(q, k, kv_start, q_offset):
+    """The public ops' defaults: no left padding, queries in the last ``L`` key slots."""
+    B, L, N = q.shape[0], q.shape[2], k.shape[2]
+    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
+    return kv_start, N - L if q_offset is None else q_offset
+
+
 def _rows(n: int, L: int, budget: Budget, decode: bool):
     """(first tile, [(cand_end, count)] per row): candidates are compact positions ``[0, cand_end)``."""
     if decode:
@@ -68,9 +75,8 @@ def streaming_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offse
                      sinks: int = SINKS) -> Selection:
     """StreamingLLM: the first ``sinks`` keys plus the most recent ones, ``count`` keys in all per row."""
     B, _, L, _ = q.shape
-    H, N = k.shape[1], k.shape[2]
-    q_offset = N - L if q_offset is None else q_offset
-    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
+    H = k.shape[1]
+    kv_start, q_offset = _defaults(q, k, kv_start, q_offset)
     per_seq, starts = [], []
     for b in range(B):
         start = int(kv_start[b])
@@ -90,11 +96,10 @@ def quest_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=No
                  page: int = PAGE) -> Selection:
     """Quest: whole pages by their query-aware upper bound, as many as fit in the token budget."""
     B, HQ, L, D = q.shape
-    H, N = k.shape[1], k.shape[2]
+    H = k.shape[1]
     G = HQ // H
     T = budget.tile
-    q_offset = N - L if q_offset is None else q_offset
-    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
+    kv_start, q_offset = _defaults(q, k, kv_start, q_offset)
     per_seq, starts = [], []
     for b in range(B):
         start = int(kv_start[b])
