@@ -69,7 +69,18 @@ def _eval(args) -> int:
     return 0
 
 
+def _model_args(p) -> None:
+    """--model and --device: the same meaning in every command."""
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16) (default: cpu)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .calibrate import DEFAULT_K
+    from .eval.runner import TASKS
+    from .eval.strategies import STRATEGIES
+
     p = argparse.ArgumentParser(
         prog="kascade",
         description="Kascade sparse attention for Hugging Face models (arXiv 2512.16391).",
@@ -88,11 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default: 24)")
     d.add_argument("--compare-last", type=int, default=512,
                    help="teacher-forced comparison over this many last prompt positions (default: 512)")
-    d.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16) (default: cpu)")
-    d.add_argument("--model", default=None,
-                   help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     d.add_argument("--plan", default=None, help="a Kascade plan JSON (default: shipped plan for the model, else uniform)")
     d.add_argument("--seed", type=int, default=0, help="which haystack window to use (default: 0)")
+    _model_args(d)
     d.set_defaults(func=_demo)
 
     c = sub.add_parser(
@@ -104,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
         "plan.json (use it with kascade.enable or --plan), stats.json, objective.csv (DP objective per number of "
         "anchors) and two PNG plots into --out.",
     )
-    c.add_argument("--model", default=None,
-                   help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     c.add_argument("--data", default=None,
                    help="development texts: a JSONL file (one object per line, text under --text-field) or a .txt "
                    "file (default: the development split of Python's pydoc_data.topics)")
@@ -120,18 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--holdout", type=int, default=2,
                    help="held-out development windows for --target-agreement (default: 2)")
     c.add_argument("--max-anchors", type=int, default=12, help="largest budget in the table and search (default: 12)")
-    c.add_argument("--k", type=int, default=64, help="top-k used to measure similarity (default: 64, as the authors)")
+    c.add_argument("--k", type=int, default=DEFAULT_K,
+                   help=f"top-k used to measure similarity (default: {DEFAULT_K}, as the authors)")
     c.add_argument("--ratio", type=float, default=0.10, help="plan budget: fraction of keys kept (default: 0.10)")
     c.add_argument("--k-min", type=int, default=128, help="plan budget: at least this many keys (default: 128)")
     c.add_argument("--tile", type=int, default=32, help="prefill query tile (default: 32)")
     c.add_argument("--no-rolling", action="store_true", help="plan budget: fixed instead of rolling prefill budget")
-    c.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16) (default: cpu)")
     c.add_argument("--seed", type=int, default=0, help="which development windows (default: 0)")
     c.add_argument("--out", default="kascade-calibration", help="output folder (default: ./kascade-calibration)")
+    _model_args(c)
     c.set_defaults(func=_calibrate)
-
-    from .eval.runner import TASKS
-    from .eval.strategies import STRATEGIES
 
     e = sub.add_parser(
         "eval",
@@ -147,8 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
         "measured from the selections made. Writes results.json, results.csv (per sample), summary.md and "
         "scores.png into --out.",
     )
-    e.add_argument("--model", default=None,
-                   help="a .gguf file or a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=list(STRATEGIES),
                    help=f"comma-separated strategies, or 'all' (default: all); from: {', '.join(STRATEGIES)}")
     e.add_argument("--tasks", type=_csv("task", TASKS), default=None,
@@ -163,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--omnikv-layer", type=int, default=2, help="the OmniKV-style selection layer (default: 2)")
     e.add_argument("--longbench", default=None, help="a LongBench-format JSONL file (context, input, answers, dataset)")
     e.add_argument("--longbench-limit", type=int, default=None, help="use at most this many LongBench records")
-    e.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16) (default: cpu)")
     e.add_argument("--out", default="kascade-eval", help="output folder (default: ./kascade-eval)")
+    _model_args(e)
     e.set_defaults(func=_eval)
     return p
 
