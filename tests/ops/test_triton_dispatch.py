@@ -66,5 +66,8 @@ def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):
 
     import kascade
 
-    with pytest.raises(ValueError, match="not yet available in kascade.enable"):
-        kascade.enable(tiny_model("llama"), backend="triton")
+    model = tiny_model("llama", head_dim=16)
+    with pytest.raises(ValueError, match="cannot use backend='triton'.*needs CUDA tensors"):
+        kascade.enable(model, backend="triton")
+    with kascade.enable(model, warn_uncalibrated=False) as h:  # auto: the reference on a CPU model
+        assert h.runtime.backend == "reference"

@@ -22,7 +22,7 @@ from ..ops import Selection
 from ..plan import KascadePlan, ModelFingerprint, default_plan
 
 ATTN_NAME = "kascade"
-BACKENDS = ("reference",)  # the Triton kernels are callable through kascade.ops, not yet validated end to end here
+BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ class KeyMask:
     """What Kascade's mask function hands to its attention function instead of a 4-D mask.
 
     valid:    ``[B, N]`` bool, key slots that are not padding (None: no padding).
-    q_offset: key slot of the first query of this call.
+    q_offset: key slot of the first query of this call; in a decode step over a static cache, a 0-d tensor on
+              the device (so the step needs no host synchronisation and can be captured in a CUDA graph).
     """
 
     valid: torch.Tensor | None
-    q_offset: int
+    q_offset: int | torch.Tensor
 
 
 def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -47,6 +48,15 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             "Kascade supports plain causal attention only; this model asked for another mask pattern "
             f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"
         )
+    if isinstance(q_offset, torch.Tensor) and q_length == 1:
+        # Static cache, decode step: stay on the device. The cache advances this very tensor in place during the
+        # forward, hence the copy; the padding check happened when the prompt was prefilled.
+        valid = None
+        if attention_mask is not None:
+            valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+            if valid.shape[1] < kv_length:
+                valid = torch.cat([valid, valid.new_ones(valid.shape[0], kv_length - valid.shape[1])], 1)
+        return KeyMask(valid=valid, q_offset=q_offset.reshape(()).clone() - int(kv_offset))
     q_slot = int(q_offset) - int(kv_offset)
     valid = None
     if attention_mask is not None:
@@ -86,58 +96,141 @@ def _geometry(mask, B: int, L: int, N: int) -> tuple[torch.Tensor, int]:
 
 @dataclass
 class ForwardState:
-    """Per forward pass: key geometry and the selections of the anchor layers so far."""
+    """Per forward pass (the *plan* of a plan / run split): key geometry, the Triton decode metadata built once
+    for every layer of the step, and the selections of the anchor layers so far."""
 
-    kv_start: torch.Tensor
-    q_offset: int
+    kv_start: torch.Tensor | None  # [B] on the host (None in a static-cache Triton decode step)
+    q_offset: int | None
+    meta: object = None  # kascade.ops.triton.decode.DecodeMeta in a Triton decode step
     selections: dict[int, Selection] = field(default_factory=dict)
 
 
 class KascadeRuntime:
     """Computes every layer's attention for one enabled model according to its plan.
 
+    ``backend``: "reference" (the PyTorch specification, through the validated public ops) or "triton" (the
+    kernels of :mod:`kascade.ops.triton`, called with metadata built once per forward; see :func:`resolve_backend`).
     ``selector`` (default :func:`kascade.ops.select`) is what an anchor layer calls to choose its keys; the
     evaluation baselines (StreamingLLM, Quest, ...) swap it and keep everything else, so every strategy runs
-    through the same sparse attention. With ``account=True`` the runtime sums, per layer, the keys actually
-    attended and the keys dense attention would attend (``self.attended``: layer -> [attended, dense]).
+    through the same sparse attention (their selections are validated by the public op on every use). With
+    ``account=True`` the runtime sums, per layer, the keys actually attended and the keys dense attention would
+    attend (``self.attended``: layer -> [attended, dense]).
     """
 
-    def __init__(self, plan: KascadePlan, backend: str, selector=None, account: bool = False):
+    def __init__(self, plan: KascadePlan, backend: str = "reference", selector=None, account: bool = False):
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"KascadeRuntime takes backend 'reference' or 'triton' (resolve 'auto' with "
+                             f"resolve_backend), got {backend!r}")
         self.plan = plan
         self.budget = plan.budget
         self.backend = backend
+        self.custom_selector = selector is not None and selector is not ops.select
         self.selector = selector or ops.select
         self.account = account
         self.attended: dict[int, list[int]] = {}
         self.state: ForwardState | None = None
+        self._head_maps: dict[tuple[int, torch.device], torch.Tensor | None] = {}
+        self._kernels = None
+
+    # -- per forward -------------------------------------------------------------------------------------------
+    def _begin(self, q, k, mask) -> ForwardState:
+        B, HQ, L, D = q.shape
+        N = k.shape[2]
+        if self.backend == "triton":
+            why = ops.triton_unavailable_reason(q.device, q.dtype, D, HQ // k.shape[1])
+            if why:
+                raise ValueError(f"Kascade was enabled with backend='triton' but cannot run it here: {why}")
+            if self._kernels is None:
+                from ..ops.triton import decode, prefill
+
+                self._kernels = (decode, prefill)
+        if isinstance(mask, KeyMask) and isinstance(mask.q_offset, torch.Tensor):  # static cache, decode step
+            if self._fast() and not self.account:
+                kv_start = None if mask.valid is None else mask.valid.to(torch.int32).argmax(1)
+                meta = self._kernels[0].decode_meta_static(B, kv_start, mask.q_offset, N, self.budget)
+                return ForwardState(kv_start=None, q_offset=None, meta=meta)
+            mask = KeyMask(valid=mask.valid, q_offset=int(mask.q_offset))  # host values (a synchronisation)
+        kv_start, q_offset = _geometry(mask, B, L, N)
+        meta = None
+        if self.backend == "triton" and L == 1:
+            meta = self._kernels[0].decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset,
+                                                budget=self.budget)
+        return ForwardState(kv_start=kv_start, q_offset=q_offset, meta=meta)
 
     def attend(self, layer: int, q, k, v, mask, scale) -> torch.Tensor:
         """``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` -> ``[B, HQ, L, D]``."""
-        B, _, L, _ = q.shape
-        N = k.shape[2]
+        L = q.shape[2]
         if layer == 0:
-            kv_start, q_offset = _geometry(mask, B, L, N)
-            self.state = ForwardState(kv_start=kv_start, q_offset=q_offset)
+            self.state = self._begin(q, k, mask)
         st = self.state
         if st is None:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
-        kw = dict(scale=scale, kv_start=st.kv_start, q_offset=st.q_offset, backend=self.backend)
         plan = self.plan
         if plan.is_anchor(layer):
-            sel = self.selector(q, k, budget=self.budget, **kw)
-            st.selections[layer] = sel
             if layer == 0:
+                out, sel = self._first(q, k, v, scale, st)
+                st.selections[0] = sel
                 if self.account:
                     self._count(layer, None, L, st)
-                return ops.dense_attention(q, k, v, **kw)
+                return out
+            sel = self._select(q, k, scale, st)
+            st.selections[layer] = sel
         else:
             anchor = plan.anchor_of(layer)
             if anchor not in st.selections:
                 raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
-            sel = st.selections[anchor].remap(plan.head_map[layer])
+            sel = self._remap(st.selections[anchor], layer)
         if self.account:
             self._count(layer, sel, L, st)
-        return ops.sparse_attention(q, k, v, sel, **kw)
+        return self._sparse(q, k, v, sel, scale, st)
+
+    # -- the three operations, per backend ---------------------------------------------------------------------
+    def _kw(self, scale, st):
+        return dict(scale=scale, kv_start=st.kv_start, q_offset=st.q_offset, backend=self.backend)
+
+    def _fast(self) -> bool:
+        """Call the kernels directly (metadata from the forward state, no per-layer checks or host syncs)."""
+        return self.backend == "triton" and not self.custom_selector
+
+    def _first(self, q, k, v, scale, st):
+        """Layer 0: the dense output and layer 0's selection."""
+        if self._fast():
+            decode, prefill = self._kernels
+            if st.meta is not None:
+                return decode.dense_select_decode(q, k, v, budget=self.budget, scale=scale, meta=st.meta)
+            return prefill.dense_select_prefill(q, k, v, budget=self.budget, scale=scale, kv_start=st.kv_start,
+                                                q_offset=st.q_offset)
+        kw = self._kw(scale, st)
+        sel = self.selector(q, k, budget=self.budget, **kw)
+        return ops.dense_attention(q, k, v, **kw), sel
+
+    def _select(self, q, k, scale, st) -> Selection:
+        if self._fast():
+            decode, prefill = self._kernels
+            if st.meta is not None:
+                return decode.select_decode(q, k, budget=self.budget, scale=scale, meta=st.meta)
+            return prefill.select_prefill(q, k, budget=self.budget, scale=scale, kv_start=st.kv_start,
+                                          q_offset=st.q_offset)
+        return self.selector(q, k, budget=self.budget, **self._kw(scale, st))
+
+    def _sparse(self, q, k, v, sel, scale, st):
+        if self._fast():
+            decode, prefill = self._kernels
+            if st.meta is not None:
+                return decode.sparse_decode(q, k, v, sel.indices, scale=scale)
+            return prefill.sparse_prefill(q, k, v, sel, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset)
+        return ops.sparse_attention(q, k, v, sel, **self._kw(scale, st))
+
+    def _remap(self, sel: Selection, layer: int) -> Selection:
+        """The anchor's selection through this layer's head map (a device tensor cached per layer; identity maps
+        reuse the anchor's indices as they are)."""
+        key = (layer, sel.indices.device)
+        if key not in self._head_maps:
+            row = self.plan.head_map[layer]
+            self._head_maps[key] = None if list(row) == list(range(len(row))) else \
+                torch.tensor(row, dtype=torch.long).to(sel.indices.device)
+        hm = self._head_maps[key]
+        return sel if hm is None else sel.take_heads(hm)
 
     def _count(self, layer, sel, L, st):
         att, dense = ops.attended_keys(sel, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
@@ -227,20 +320,36 @@ def check_supported(model) -> None:
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")
 
 
-def enable(model, plan: KascadePlan | None = None, *, backend: str = "reference", selector=None,
+def resolve_backend(model, backend: str = "auto") -> str:
+    """The backend ``enable`` will use: ``"auto"`` is "triton" when the model sits on a CUDA device in a dtype and
+    shape the kernels serve (and triton is installed), else "reference". ``"triton"`` where it cannot run raises
+    ValueError with the reason; it is never replaced silently."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "reference":
+        return backend
+    fp = ModelFingerprint.from_model(model)
+    p = next(model.parameters())
+    why = ops.triton_unavailable_reason(p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads)
+    if backend == "triton":
+        if why:
+            raise ValueError(f"Kascade cannot use backend='triton' for this model: {why}")
+        return "triton"
+    return "triton" if why is None and p.device.type == "cuda" else "reference"
+
+
+def enable(model, plan: KascadePlan | None = None, *, backend: str = "auto", selector=None,
            account: bool = False, warn_uncalibrated: bool = True) -> KascadeHandle:
     """Route every attention layer of ``model`` through Kascade with ``plan``.
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
-    uniform plan (with a warning). Use as ``with kascade.enable(model): ...`` or keep the handle and call
-    ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
+    uniform plan (with a warning). ``backend``: "auto" (default: the Triton kernels on CUDA when they support the
+    model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
+    "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
+    the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
     """
-    if backend == "triton":
-        raise ValueError("backend='triton' is not yet available in kascade.enable (the kernels are callable through "
-                         "kascade.ops with backend='triton'; wiring them into the integration is pending)")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     check_supported(model)
+    backend = resolve_backend(model, backend)
     if plan is None:
         plan = default_plan(model)
     if not isinstance(plan, KascadePlan):

@@ -27,12 +27,17 @@ class Selection:
 
     def remap(self, head_map) -> "Selection":
         """The selection as seen by a reuse layer: its KV head ``h`` takes the anchor's head ``head_map[h]``."""
-        hm = torch.as_tensor(list(head_map), dtype=torch.long, device=self.indices.device)
-        if hm.numel() != self.indices.shape[1]:
-            raise ValueError(f"head map has {hm.numel()} entries for {self.indices.shape[1]} KV heads")
-        if bool(((hm < 0) | (hm >= self.indices.shape[1])).any()):
-            raise ValueError(f"head map {list(head_map)} has heads outside 0..{self.indices.shape[1] - 1}")
-        return Selection(self.indices.index_select(1, hm), self.row_start, self.tile, self.decode)
+        H = self.indices.shape[1]
+        hm = [int(h) for h in head_map]  # checked on the host: no device synchronisation
+        if len(hm) != H:
+            raise ValueError(f"head map has {len(hm)} entries for {H} KV heads")
+        if any(h < 0 or h >= H for h in hm):
+            raise ValueError(f"head map {hm} has heads outside 0..{H - 1}")
+        return self.take_heads(torch.tensor(hm, dtype=torch.long).to(self.indices.device))
+
+    def take_heads(self, head_map: torch.Tensor) -> "Selection":
+        """:meth:`remap` with a checked ``[H]`` int64 tensor on the indices' device (the runtime's hot path)."""
+        return Selection(self.indices.index_select(1, head_map), self.row_start, self.tile, self.decode)
 
     def shared_across_heads(self) -> "Selection":
         """Every KV head takes head 0's set (used by the non-head-aware baseline after pooling heads)."""

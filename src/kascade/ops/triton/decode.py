@@ -102,6 +102,23 @@ def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, 
     return DecodeMeta(tensor=t, n=tuple(n), k=None if k is None else tuple(k), paged=paged)
 
 
+def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, budget: Budget) -> DecodeMeta:
+    """:class:`DecodeMeta` of a decode step over a static KV cache, computed on the device with no host
+    synchronisation, so the step can be captured in a CUDA graph and replayed.
+
+    ``q_offset``: the new query's slot (0-d integer tensor on the device, the same for every sequence);
+    ``kv_start``: ``[B]`` integer tensor on the device, or ``None`` (no left padding); ``capacity``: the cache's
+    slots. The host-side ``n`` and ``k`` are then launch bounds (the capacity and its budget: grid sizes and index
+    widths); the kernels read each sequence's true ``n_b`` and ``k_b`` from the device tensor."""
+    dev = q_offset.device
+    start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
+    n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
+    # k(N) = min(N, max(k_min, floor(ratio N))), in float64 like the host formula (Budget.k)
+    kb = torch.minimum(n, torch.clamp(torch.floor(n.double() * budget.ratio).long(), min=budget.k_min))
+    t = torch.stack([start, n, kb, torch.zeros_like(n)], 1).to(torch.int32)
+    return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------

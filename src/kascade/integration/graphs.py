@@ -1,0 +1,97 @@
+"""Greedy decoding over a static KV cache, each step replayed from a CUDA graph.
+
+Eager decoding through transformers launches every kernel of every layer from Python; at batch 1 the host, not
+the GPU, then sets the pace. With a static cache (``transformers.StaticCache``: fixed-size K/V buffers and a
+device-side length) one decode step has the same shapes every time, so it can be captured once and replayed.
+Kascade's decode step is capturable with the Triton backend: its per-step metadata (valid keys, budget) is
+computed on the device (``ops.triton.decode.decode_meta_static``) and no layer reads a value back to the host.
+The same decoder serves a dense model, so dense and Kascade are timed the same way.
+
+    dec = GraphDecoder(model, batch_size=1, max_cache_len=prompt_len + 64)
+    tokens = dec.generate(input_ids, max_new_tokens=64)      # [B, 64]
+
+The first ``warmup`` generated tokens come from eager steps (they compile kernels and fill caches; a graph is
+captured after them), the rest from replays; all of them are real greedy tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GraphDecoder:
+    """Greedy generation with a static KV cache; ``use_graph=False`` runs the same steps eagerly (CPU, tests)."""
+
+    def __init__(self, model, batch_size: int, max_cache_len: int, *, use_graph: bool | None = None,
+                 warmup: int = 2):
+        from transformers import StaticCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.use_graph = (self.device.type == "cuda") if use_graph is None else use_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {self.device}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (a graph is captured after eager steps), got {warmup}")
+        self.batch_size, self.max_cache_len, self.warmup = int(batch_size), int(max_cache_len), int(warmup)
+        self.cache = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
+        self.ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.device)  # the step's input
+        self.graph = None
+        self.length = 0  # tokens in the cache
+        self._eager_steps = 0
+
+    @torch.no_grad()
+    def _forward(self) -> None:
+        logits = self.model(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits
+        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reset the cache, prefill ``input_ids [B, L]`` (eager) and return the first generated token ``[B, 1]``."""
+        B, L = input_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"this decoder was built for batch {self.batch_size}, got input_ids of batch {B}")
+        if L + 1 > self.max_cache_len:
+            raise ValueError(f"a prompt of {L} tokens leaves no room to decode in a cache of {self.max_cache_len}")
+        self.cache.reset()
+        logits = self.model(input_ids=input_ids.to(self.device), past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=1).logits
+        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.length = L
+        self._eager_steps = 0
+        return self.ids.clone()
+
+    def step(self) -> torch.Tensor:
+        """One decode step: feeds the last token, returns the next ``[B, 1]`` (a view, overwritten next step)."""
+        if self.length == 0:
+            raise RuntimeError("call prefill before step")
+        if self.length + 1 > self.max_cache_len:
+            raise RuntimeError(f"the static cache of {self.max_cache_len} slots is full")
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self._eager_steps >= self.warmup:
+            self._capture()
+            self.graph.replay()
+        else:
+            self._forward()
+            self._eager_steps += 1
+        self.length += 1
+        return self.ids
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._forward()  # recorded, not run: the cache does not advance here
+        self.graph = graph
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens ``[B, max_new_tokens]`` after ``input_ids``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        out = [self.prefill(input_ids)]
+        for _ in range(max_new_tokens - 1):
+            out.append(self.step().clone())
+        return torch.cat(out, 1)

@@ -1,0 +1,94 @@
+"""kascade.enable(backend="triton") on a tiny model, the kernels run by the Triton interpreter on the CPU."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import kascade  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from kascade import KascadePlan, ModelFingerprint  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Kascade is using an uncalibrated plan")
+
+
+def _model_and_plan():
+    model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16)
+    fp = ModelFingerprint.from_model(model)
+    # layer 2 follows anchor 1 through a non-identity head map; layer 3 is an anchor
+    plan = KascadePlan(fp, (0, 1, 3), ((0, 1, 2), (0, 1, 2), (2, 0, 1), (0, 1, 2)), ratio=0.1, k_min=16, tile=16)
+    return model, plan
+
+
+def _spy(monkeypatch):
+    from kascade.ops.triton import decode, prefill
+
+    calls = []
+    for mod, names in ((decode, ("decode_meta", "dense_select_decode", "select_decode", "sparse_decode")),
+                       (prefill, ("dense_select_prefill", "select_prefill", "sparse_prefill"))):
+        for name in names:
+            orig = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+    return calls
+
+
+def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch):
+    model, plan = _model_and_plan()
+    ids = torch.randint(3, 97, (2, 75), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding in the second sequence
+    with torch.no_grad():
+        with kascade.enable(model, plan, backend="reference"):
+            ref = model(ids, attention_mask=mask).logits
+            ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        calls = _spy(monkeypatch)
+        with kascade.enable(model, plan, backend="triton") as h:
+            assert h.runtime.backend == "triton"
+            got = model(ids, attention_mask=mask).logits
+            # layer 0's dense_select_prefill calls select_prefill itself: 1 + 2 anchors
+            assert calls.count("dense_select_prefill") == 1 and calls.count("select_prefill") == 3
+            assert calls.count("sparse_prefill") == 3
+            calls.clear()
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    real = mask.bool()
+    # fp32 model: kernels and reference agree to fp32 rounding at the real positions
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(gen, ref_gen)
+    # 2 decode steps after the prefill: the metadata is built once per step (plan / run split), not per layer
+    assert calls.count("decode_meta") == 2 and calls.count("dense_select_decode") == 2
+    assert calls.count("select_decode") == 4 and calls.count("sparse_decode") == 6
+
+
+def test_triton_backend_refuses_what_it_cannot_run():
+    model, plan = _model_and_plan()
+    with pytest.raises(ValueError, match="cannot use backend='triton'.*float64"):
+        kascade.enable(model.to(torch.float64), plan, backend="triton")
+    odd = tiny_model("llama", head_dim=12)
+    with pytest.raises(ValueError, match="head dims"):
+        kascade.enable(odd, backend="triton")
+
+
+def test_static_cache_decode_steps_stay_on_the_device(monkeypatch):
+    """With a static cache the Triton decode step takes its metadata from device tensors (the CUDA-graph path) and
+    generates what the reference generates with a dynamic cache."""
+    from kascade.integration.graphs import GraphDecoder
+
+    model, plan = _model_and_plan()
+    ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), kascade.enable(model, plan, backend="reference"):
+        ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, 70:]
+    calls = _spy(monkeypatch)
+    from kascade.ops.triton import decode
+
+    static = []
+    orig = decode.decode_meta_static
+    monkeypatch.setattr(decode, "decode_meta_static", lambda *a, **kw: (static.append(1), orig(*a, **kw))[1])
+    with kascade.enable(model, plan, backend="triton"):
+        dec = GraphDecoder(model, batch_size=2, max_cache_len=80, use_graph=False)
+        got = dec.generate(ids, max_new_tokens=4)
+    assert torch.equal(got, ref)
+    assert len(static) == 3 and "decode_meta" not in calls  # 3 decode steps, none through the host metadata
