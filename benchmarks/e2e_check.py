@@ -29,7 +29,7 @@ import kascade  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint, text  # noqa: E402
 from kascade.eval.fidelity import scored_logits  # noqa: E402
 from kascade.eval.metrics import fidelity  # noqa: E402
-from kascade.integration.graphs import GraphDecoder  # noqa: E402
+from kascade.integration.graphs import GraphDecoder, enable_dense  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 
 
@@ -71,7 +71,8 @@ def _sync_time(fn):
 
 @torch.no_grad()
 def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
-    """ms per decode step for dense/kascade x eager/graph (eager: DynamicCache through generate's loop)."""
+    """ms per decode step for dense/kascade x eager/graph. Eager: DynamicCache, dense = transformers' SDPA.
+    Graph: static cache, dense = DenseRuntime (Triton split-K decode; SDPA cannot be captured at its best)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, model.config.vocab_size - 1, (batch, prompt_len), generator=g).cuda()
     out = {}
@@ -93,12 +94,15 @@ def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
             out[f"{name}_eager_ms"] = _sync_time(eager) / steps * 1e3
             del cache, o
             try:
+                dense_handle = enable_dense(model) if name == "dense" else None
                 dec = GraphDecoder(model, batch, prompt_len + steps + 8)
                 dec.prefill(ids)
                 for _ in range(3):
                     dec.step()  # 2 eager warm-up steps, then capture + first replay
                 out[f"{name}_graph_ms"] = _sync_time(lambda: [dec.step() for _ in range(steps)]) / steps * 1e3
                 del dec
+                if dense_handle is not None:
+                    dense_handle.disable()
             except Exception as e:  # recorded, not hidden: the summary shows it
                 out[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:500]
             torch.cuda.empty_cache()

@@ -92,3 +92,19 @@ def test_static_cache_decode_steps_stay_on_the_device(monkeypatch):
         got = dec.generate(ids, max_new_tokens=4)
     assert torch.equal(got, ref)
     assert len(static) == 3 and "decode_meta" not in calls  # 3 decode steps, none through the host metadata
+
+
+def test_dense_runtime_is_the_dense_model():
+    """The graph-mode dense baseline computes what the model computes with its own attention."""
+    from kascade.integration.graphs import GraphDecoder, enable_dense
+
+    model, _ = _model_and_plan()
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False)[:, 40:]
+        with enable_dense(model):
+            logits = model(ids).logits
+            got = GraphDecoder(model, batch_size=1, max_cache_len=48, use_graph=False).generate(ids, 3)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got, ref)
