@@ -93,18 +93,19 @@ def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
 
             out[f"{name}_eager_ms"] = _sync_time(eager) / steps * 1e3
             del cache, o
+            dense_handle = enable_dense(model) if name == "dense" else None
             try:
-                dense_handle = enable_dense(model) if name == "dense" else None
                 dec = GraphDecoder(model, batch, prompt_len + steps + 8)
                 dec.prefill(ids)
                 for _ in range(3):
                     dec.step()  # 2 eager warm-up steps, then capture + first replay
                 out[f"{name}_graph_ms"] = _sync_time(lambda: [dec.step() for _ in range(steps)]) / steps * 1e3
                 del dec
-                if dense_handle is not None:
-                    dense_handle.disable()
             except Exception as e:  # recorded, not hidden: the summary shows it
                 out[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:500]
+            finally:
+                if dense_handle is not None:
+                    dense_handle.disable()
             torch.cuda.empty_cache()
         finally:
             if handle is not None:
