@@ -41,8 +41,10 @@ def test_small_budget_changes_the_output_and_disable_restores_it():
         handle = kascade.enable(model, plan)
         assert model.config._attn_implementation == "kascade"
         sparse = model(ids).logits
-        st = handle.runtime.state
-        assert sorted(st.selections) == [0, 2]  # the anchors, nothing else
+        assert sorted(handle.runtime.state.selections) == [2]  # layer 0's was dropped after its last reuse layer
+        handle.runtime.keep_selections = True
+        assert torch.equal(model(ids).logits, sparse)
+        assert sorted(handle.runtime.state.selections) == [0, 2]  # the anchors, nothing else
         kascade.disable(model)
         after = model(ids).logits
     assert model.config._attn_implementation == "sdpa"
@@ -58,6 +60,7 @@ def test_reuse_layer_follows_head_map():
     plan = KascadePlan(fp, (0, 2), ((0, 1, 2), (2, 0, 0), (0, 1, 2), (1, 1, 2)), ratio=0.1, k_min=8, tile=16)
     seen = {}
     with kascade.enable(model, plan) as h, torch.no_grad():
+        h.runtime.keep_selections = True
         orig = kascade.ops.sparse_attention
 
         def spy(q, k, v, sel, **kw):

@@ -131,6 +131,12 @@ class KascadeRuntime:
         self.state: ForwardState | None = None
         self._head_maps: dict[tuple[int, torch.device], torch.Tensor | None] = {}
         self._kernels = None
+        # Selections no later layer reads are dropped (a prefill selection is [B, H, tiles, k]: at 128K tokens
+        # and 8 KV heads, 1.7 GB in int32): after layer l, keep only the anchors that layers > l follow.
+        n = plan.num_layers
+        users = {a: max(l for l in range(n) if plan.anchor_of(l) == a) for a in plan.anchors}
+        self._last_use = users
+        self.keep_selections = False  # True: keep every anchor's selection of the last forward (inspection, tests)
 
     # -- per forward -------------------------------------------------------------------------------------------
     def _begin(self, q, k, mask) -> ForwardState:
@@ -166,6 +172,9 @@ class KascadeRuntime:
         if st is None:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
         plan = self.plan
+        if not self.keep_selections:
+            for a in [a for a in st.selections if self._last_use[a] < layer]:
+                del st.selections[a]  # before this layer allocates its own
         if plan.is_anchor(layer):
             if layer == 0:
                 out, sel = self._first(q, k, v, scale, st)
@@ -199,7 +208,7 @@ class KascadeRuntime:
             if st.meta is not None:
                 return decode.dense_select_decode(q, k, v, budget=self.budget, scale=scale, meta=st.meta)
             return prefill.dense_select_prefill(q, k, v, budget=self.budget, scale=scale, kv_start=st.kv_start,
-                                                q_offset=st.q_offset)
+                                                q_offset=st.q_offset, index_dtype=torch.int32)
         kw = self._kw(scale, st)
         sel = self.selector(q, k, budget=self.budget, **kw)
         return ops.dense_attention(q, k, v, **kw), sel
@@ -210,7 +219,7 @@ class KascadeRuntime:
             if st.meta is not None:
                 return decode.select_decode(q, k, budget=self.budget, scale=scale, meta=st.meta)
             return prefill.select_prefill(q, k, budget=self.budget, scale=scale, kv_start=st.kv_start,
-                                          q_offset=st.q_offset)
+                                          q_offset=st.q_offset, index_dtype=torch.int32)
         return self.selector(q, k, budget=self.budget, **self._kw(scale, st))
 
     def _sparse(self, q, k, v, sel, scale, st):

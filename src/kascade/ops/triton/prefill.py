@@ -368,11 +368,12 @@ def prefill_rows(kv_start: list[int], q_offset: int, L: int, T: int) -> tuple[li
 
 
 def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, lse=None,
-                   max_chunk_bytes=64 << 20, block_n=None, num_warps=None, num_stages=None, _scores_only=False,
-                   **lse_cfg) -> Selection:
+                   max_chunk_bytes=64 << 20, index_dtype=torch.long, block_n=None, num_warps=None, num_stages=None,
+                   _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
-    shape as the reference's: ``[B, H, R, K]`` int64 absolute slots, ascending, -1 padded.
+    shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (int64 like
+    the reference, or int32: half the memory, which the sparse kernel reads as well).
 
     Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
     buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
@@ -393,7 +394,7 @@ def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None,
                for b in range(B)]
     K = max(max(x) for x in budgets)
     rs = torch.tensor(t_first, dtype=torch.int32).to(dev)
-    indices = torch.full((B, H, R, K), -1, dtype=torch.long, device=dev)
+    indices = torch.full((B, H, R, K), -1, dtype=index_dtype, device=dev)
     if K == 0:
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
     f32, _ = _flags(q)
@@ -499,11 +500,12 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
     return sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset), sel
 
 
-def dense_select_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20):
+def dense_select_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20,
+                         index_dtype=torch.long):
     """Layer 0: the dense output (with its LSE), then the selection. ``-> (out, Selection)``."""
     out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, return_lse=True)
     sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, lse=lse,
-                         max_chunk_bytes=max_chunk_bytes)
+                         max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype)
     return out, sel
 
 
