@@ -293,23 +293,22 @@ def summarize(res: dict) -> dict:
 
 
 # -- memory and time predictions ---------------------------------------------------------------------------------
-def estimate_bytes(model, plan: KascadePlan, *, batch: int, length: int, settings: Settings) -> dict:
-    """Rough peak memory of one configuration: weights + KV cache + one prefill chunk's activations + Kascade's
-    selections of that chunk (int64 ``[B, H, tiles, k]`` per anchor, plus one more for temporaries). Logits are
-    kept for the last position only."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    fp = ModelFingerprint.from_model(model)
+def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, length: int, settings: Settings) -> dict:
+    """Rough peak memory of one configuration: ``weights`` bytes + KV cache + one prefill chunk's activations (the
+    larger of the attention and the MLP phase) + Kascade's selections of that chunk (int64 ``[B, H, tiles, k]`` per
+    anchor, plus one more for temporaries). Logits are kept for the last position only."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fp = ModelFingerprint.from_config(cfg)
     nbytes = torch.finfo(settings.dtype).bits // 8
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     n_total = length + settings.decode_steps + settings.warmup_decode_steps
     kv = batch * n_total * fp.num_layers * 2 * fp.num_kv_heads * fp.head_dim * nbytes
     chunk = min(settings.prefill_chunk or length, length)
     hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     q_dim, kv_dim = fp.num_q_heads * fp.head_dim, fp.num_kv_heads * fp.head_dim
-    per_token = nbytes * (3 * inter + 8 * hidden + 3 * q_dim + 4 * kv_dim) + 4 * 2 * hidden  # fp32 norm upcasts
+    phases = max(3 * inter + 3 * hidden, 6 * hidden + 3 * q_dim + 4 * kv_dim)  # MLP: act, up, product in flight
+    per_token = nbytes * phases + 4 * 2 * hidden  # + RMSNorm's fp32 upcast
     act = batch * chunk * per_token
-    vocab = model.get_output_embeddings().weight.shape[0]
-    logits = batch * vocab * 4 * 2
+    logits = batch * cfg.vocab_size * 4 * 2
     tiles = math.ceil(chunk / plan.tile)
     sel = batch * fp.num_kv_heads * tiles * plan.budget.k(length) * 8 * (len(plan.anchors) + 1)
     total = 1.15 * (weights + kv + act + logits + sel) + 0.5 * GB
@@ -480,12 +479,14 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
         elif trained and max(settings.lengths) > trained:
             info["note"] = f"trained context {trained} tokens: lengths beyond it measure speed only"
         results["models"][name] = info
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
         done: list[dict] = []
         for batch in sorted(settings.batches):
             for length in sorted(settings.lengths):
                 bar.set_postfix_str(f"{name} B={batch} L={length}")
                 rec = dict(model=name, batch=batch, length=length)
-                est = estimate_bytes(model, mplan, batch=batch, length=length, settings=settings)
+                est = estimate_bytes(model.config, mplan, weights=weights, batch=batch, length=length,
+                                     settings=settings)
                 rec["estimate_gb"] = {k: v / GB for k, v in est.items()}
                 avail = available_bytes(model, settings)
                 pred = predict_seconds(done, batch, length)
