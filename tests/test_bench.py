@@ -13,6 +13,15 @@ from kascade.plan import KascadePlan, ModelFingerprint
 FAST = ["--models", "tiny", "--backend", "reference", "--repeats", "1", "--decode-steps", "2"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model's ops are too small to share among threads; on a busy machine the spinning costs ~20x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _tiny():
     return bench.random_llama(bench.TINY, device="cpu", dtype=torch.float32, max_positions=1024)
 
