@@ -312,8 +312,10 @@ def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, lengt
     logits = batch * cfg.vocab_size * 4 * 2
     tiles = math.ceil(chunk / plan.tile)
     sel = batch * fp.num_kv_heads * tiles * plan.budget.k(length) * 8 * (len(plan.anchors) + 1)
-    total = 1.15 * (weights + kv + act + logits + sel) + 0.5 * GB
-    return dict(total=total, weights=weights, kv_cache=kv, activations=act, selections=sel)
+    # later chunks of a chunked prefill: transformers' SDPA path builds a boolean [B, 1, chunk, N] mask for dense
+    mask = batch * chunk * n_total if chunk < length else 0
+    total = 1.15 * (weights + kv + act + logits + sel + mask) + 0.5 * GB
+    return dict(total=total, weights=weights, kv_cache=kv, activations=act, selections=sel, dense_chunk_mask=mask)
 
 
 def available_bytes(model, settings: Settings) -> float | None:
@@ -395,6 +397,7 @@ def plot(results: dict, path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullLocator
     except ImportError:
         return None
     ok = [r for r in results["configs"] if r.get("status") == "ok"]
@@ -408,6 +411,9 @@ def plot(results: dict, path: Path) -> Path | None:
                 for mode, style in (("dense", "-o"), ("kascade", "--s")):
                     ax.plot(xs, [scale * r[mode][key] for r in rs], style, color=f"C{i}", label=f"{mode} B={b}")
             ax.set_xscale("log", base=2)
+            lengths = sorted({r["length"] for r in ok if r["model"] == m})
+            ax.set_xticks(lengths, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in lengths])
+            ax.xaxis.set_minor_locator(NullLocator())
             ax.set_yscale("log")
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(unit)
