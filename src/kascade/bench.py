@@ -9,8 +9,10 @@ random prompt (token ids drawn from a seeded generator):
   ``1 - t_noattn / t_dense`` is the share of the dense time spent in attention (prefill and decode).
 
 TTFT = ``model(prompt, use_cache=True, logits_to_keep=1)`` (optionally in chunks of ``prefill_chunk`` tokens
-through the cache) plus the argmax, synchronised before and after, median of ``repeats`` after one warm-up.
-ITL = mean time of ``decode_steps`` greedy steps (eager, ``DynamicCache``) after the last timed prefill.
+through the cache) plus the argmax, synchronised before and after, median of ``repeats`` after one warm-up prefill
+(dense and Kascade; the no-attention mode reuses dense's warmed-up kernels).
+ITL = mean time of ``decode_steps`` greedy steps (eager, ``DynamicCache``) after the last timed prefill and
+``warmup_decode_steps`` untimed ones.
 Peak memory = ``torch.cuda.max_memory_allocated`` per mode (weights included), reset before each mode.
 
 Before a configuration runs, its memory (weights + KV cache + prefill activations + Kascade's selections) is
@@ -91,7 +93,8 @@ class Settings:
 
 # -- models ------------------------------------------------------------------------------------------------------
 def random_llama(overrides: dict, *, device: str, dtype: torch.dtype, max_positions: int):
-    """A randomly initialised LlamaForCausalLM built directly on ``device`` in ``dtype`` (no fp32 CPU detour)."""
+    """A randomly initialised LlamaForCausalLM built directly on ``device`` in ``dtype`` (no fp32 CPU detour: at 8B
+    parameters that would take minutes and 32 GB)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**overrides, max_position_embeddings=max_positions)
@@ -103,7 +106,9 @@ def random_llama(overrides: dict, *, device: str, dtype: torch.dtype, max_positi
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    return model.to(dtype).eval()
+    if any(p.dtype != dtype for p in model.parameters()):
+        raise RuntimeError(f"random_llama: parameters were not built in {dtype}")
+    return model.eval()  # no .to(dtype): it would round RoPE's fp32 inv_freq buffer as well
 
 
 def _fingerprint(overrides: dict) -> ModelFingerprint:
@@ -218,15 +223,15 @@ def prefill(model, ids: torch.Tensor, chunk: int):
 
 
 @torch.no_grad()
-def decode(model, cache, nxt: torch.Tensor, steps: int) -> float:
-    """Mean seconds per greedy decode step (eager)."""
+def decode(model, cache, nxt: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
+    """``(mean seconds per greedy decode step (eager), last token [B])``."""
     _sync(nxt.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         out = model(nxt[:, None], past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1)
     _sync(nxt.device)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, nxt
 
 
 def _peak_reset(device) -> None:
@@ -245,40 +250,43 @@ def measure_mode(model, ids, settings: Settings, *, warmup: bool) -> dict:
     _peak_reset(dev)
     if warmup:
         cache, nxt, _, _ = prefill(model, ids, settings.prefill_chunk)
-        if settings.warmup_decode_steps:
-            decode(model, cache, nxt, settings.warmup_decode_steps)
         del cache, nxt
     times = []
     for _ in range(settings.repeats):
         cache = None  # free the previous repeat's cache before the next prefill allocates its own
         cache, nxt, logits, t = prefill(model, ids, settings.prefill_chunk)
         times.append(t)
-    itl = decode(model, cache, nxt, settings.decode_steps)
+    first = nxt
+    if settings.warmup_decode_steps:  # untimed: first-call costs of the decode path stay out of the ITL
+        _, nxt = decode(model, cache, nxt, settings.warmup_decode_steps)
+    itl, _ = decode(model, cache, nxt, settings.decode_steps)
     r = dict(ttft_s=statistics.median(times), ttft_all_s=times, itl_s=itl, peak_gb=_peak(dev),
-             first_token=nxt.tolist(), last_logits=logits.float().cpu())
+             first_token=first.tolist(), last_logits=logits.float().cpu())
     del cache
     return r
 
 
-def measure_config(model, plan: KascadePlan, *, batch: int, length: int, settings: Settings) -> dict:
-    """Dense, Kascade and no-attention measurements of one (batch, length) on ``model``."""
+def measure_config(model, plan: KascadePlan, *, batch: int, length: int, settings: Settings,
+                   partial: dict | None = None) -> dict:
+    """Dense, Kascade and no-attention measurements of one (batch, length) on ``model``. Each finished mode is
+    also put in ``partial`` at once, so that a caller catching an error midway keeps it."""
     dev = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = prompt(batch, length, vocab, settings.seed, dev)
-    res: dict = {}
+    res: dict = {} if partial is None else partial
     res["dense"] = measure_mode(model, ids, settings, warmup=True)
     with enable(model, plan, backend=settings.backend, warn_uncalibrated=False) as h:
         res["kascade"] = measure_mode(model, ids, settings, warmup=True)
         res["kascade"]["backend"] = getattr(h.runtime, "backend", settings.backend)
     with NoAttention(model):
         res["noattn"] = measure_mode(model, ids, settings, warmup=False)
-    return summarize(res)
+    return summarize(dict(res))
 
 
 def summarize(res: dict) -> dict:
     """Ratios and attention shares from the recorded timings (the last-position logits are reduced to checks)."""
-    d, k, n = res["dense"], res["kascade"], res["noattn"]
-    out = dict(res)
+    out = {m: dict(r) for m, r in res.items()}
+    d, k, n = out["dense"], out["kascade"], out["noattn"]
     out["ttft_speedup"] = d["ttft_s"] / k["ttft_s"]
     out["itl_speedup"] = d["itl_s"] / k["itl_s"]
     out["attn_share_prefill"] = 1.0 - n["ttft_s"] / d["ttft_s"]
@@ -505,11 +513,18 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
                                "--time-budget")
                 else:
                     t0 = time.perf_counter()
+                    partial: dict = {}
                     try:
-                        rec.update(measure_config(model, mplan, batch=batch, length=length, settings=settings))
+                        rec.update(measure_config(model, mplan, batch=batch, length=length, settings=settings,
+                                                  partial=partial))
                         rec["status"] = "ok"
                     except torch.OutOfMemoryError as e:
-                        rec.update(status="oom", reason="out of memory: " + str(e).splitlines()[0][:200])
+                        done_modes = list(partial) or "none"
+                        rec.update(status="oom", reason=f"out of memory after modes {done_modes}: "
+                                   + str(e).splitlines()[0][:160],
+                                   partial={m: {k: v for k, v in r.items() if k != "last_logits"}
+                                            for m, r in partial.items()})
+                    del partial
                     rec["wall_s"] = time.perf_counter() - t0
                     _free(settings.device)
                     if rec["status"] == "ok":

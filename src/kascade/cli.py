@@ -201,7 +201,8 @@ Measures, for every model x batch size x prompt length (a configuration), in one
 random prompt (seeded token ids):
   TTFT   time to first token: the prompt through model(..., use_cache=True, logits_to_keep=1) into a fresh
          DynamicCache, plus the argmax; synchronised before and after; median of --repeats after one warm-up
-  ITL    inter-token latency: mean time per greedy decode step over --decode-steps steps after the prefill (eager)
+  ITL    inter-token latency: mean time per greedy decode step over --decode-steps steps after the prefill and
+         2 untimed steps (eager)
   peak   torch.cuda.max_memory_allocated (weights included), reset before each mode
   attention share   1 - t(no-op attention) / t(dense), prefill and decode: the same forward with a temporary
          attention implementation that returns zeros (the model's own implementation is restored afterwards)
