@@ -45,7 +45,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_every_configuration_is_measured(tiny_run):
-    out, r = tiny_run
+    _, r = tiny_run
     assert [(c["model"], c["batch"], c["length"]) for c in r["configs"]] == [
         ("tiny", 1, 96), ("tiny", 1, 160), ("tiny", 2, 96), ("tiny", 2, 160)]
     for c in r["configs"]:
@@ -77,7 +77,7 @@ def test_kascade_really_ran(tiny_run):
 
 
 def test_table_and_plot_are_written(tiny_run, capsys):
-    out, r = tiny_run
+    out, _ = tiny_run
     md = (out / "bench.md").read_text()
     assert md.count("| tiny |") == 4 and "TTFT dense s" in md and "torch " + torch.__version__ in md
     assert (out / "bench.png").stat().st_size > 5000
@@ -111,7 +111,7 @@ def test_no_attention_returns_zeros_and_restores():
     assert seen and torch.count_nonzero(seen[0]) == 0
 
 
-def test_skipped_configurations_carry_a_reason(tmp_path):
+def test_skipped_configurations_carry_a_reason(tmp_path, monkeypatch):
     rc = main(["bench", *FAST, "--lengths", "64", "--batches", "1", "--memory-limit", "0.01",
                "--out", str(tmp_path / "m")])
     assert rc == 0
@@ -119,12 +119,18 @@ def test_skipped_configurations_carry_a_reason(tmp_path):
     assert c["status"] == "skipped" and c["reason"].startswith("needs ~") and "GB free" in c["reason"]
     assert "skipped: needs ~" in (tmp_path / "m" / "bench.md").read_text()
 
-    rc = main(["bench", *FAST, "--lengths", "64", "128", "--batches", "1", "--time-budget", "0.001",
+    real = bench.predict_seconds
+    monkeypatch.setattr(bench, "predict_seconds", lambda done, b, n: None if not done else 1e4 + real(done, b, n))
+    rc = main(["bench", *FAST, "--lengths", "64", "128", "--batches", "1", "--time-budget", "3600",
                "--out", str(tmp_path / "t")])
     assert rc == 0
     a, b = json.loads((tmp_path / "t" / "bench.json").read_text())["configs"]
     assert a["status"] == "ok"  # nothing to predict from yet
-    assert b["status"] == "skipped" and "--time-budget" in b["reason"] and b["predicted_s"] >= 2 * a["wall_s"]
+    assert b["status"] == "skipped" and "s left of --time-budget" in b["reason"] and b["predicted_s"] > 1e4
+
+    s = bench.Settings(lengths=(64,), batches=(1,), decode_steps=1, backend="reference", time_budget_s=1e-9)
+    (c,) = bench.run(["tiny"], s, tmp_path / "z")["configs"]
+    assert c["status"] == "skipped" and "before this model was loaded" in c["reason"]
 
 
 def test_chunked_prefill_fills_the_same_cache():
@@ -133,6 +139,7 @@ def test_chunked_prefill_fills_the_same_cache():
     whole, n1, l1, _ = bench.prefill(model, ids, 0)
     chunked, n2, l2, _ = bench.prefill(model, ids, 32)
     assert chunked.get_seq_length() == whole.get_seq_length() == 100
+    assert torch.equal(n1, n2)
     torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
 
 

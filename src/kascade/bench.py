@@ -373,12 +373,12 @@ def table(results: dict) -> str:
     env = results["environment"]
     s = results["settings"]
     lines = [
-        f"device {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
-        f"backend {s['backend']}; repeats {s['repeats']} (median, after one warm-up), {s['decode_steps']} decode "
-        f"steps; prefill chunk {s['prefill_chunk'] or 'none'}",
+        (f"device {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
+         f"backend {s['backend']}; repeats {s['repeats']} (median, after one warm-up), {s['decode_steps']} decode "
+         f"steps; prefill chunk {s['prefill_chunk'] or 'none'}"),
         "",
-        "| model | B | L | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms | speedup "
-        "| attn share prefill / decode | peak GB dense | peak GB kascade | ratio | wall s |",
+        ("| model | B | L | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms | speedup "
+         "| attn share prefill / decode | peak GB dense | peak GB kascade | ratio | wall s |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["configs"]:
@@ -453,11 +453,36 @@ class _Clock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def left(self, settings: Settings) -> float | None:
+        return None if settings.time_budget_s is None else settings.time_budget_s - self.elapsed()
+
 
 def _free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _skip_reason(need: float, avail: float | None, predicted: float | None, left: float | None,
+                 settings: Settings) -> str | None:
+    if avail is not None and need > avail:
+        hint = "" if settings.prefill_chunk else " (try --prefill-chunk)"
+        return f"needs ~{need / GB:.1f} GB, {avail / GB:.1f} GB free{hint}"
+    if left is not None and predicted is not None and predicted > left:
+        return f"predicted ~{predicted:.0f} s, {max(left, 0):.0f} s left of --time-budget"
+    return None
+
+
+def _line(rec: dict) -> str:
+    head = f"{rec['model']} B={rec['batch']} L={rec['length']}: {rec['status']}"
+    if rec["status"] == "skipped":
+        return f"{head} ({rec['reason']})"
+    head += f", {rec['wall_s']:.1f} s wall"
+    if rec["status"] != "ok":
+        return f"{head} ({rec['reason']})"
+    d, k = rec["dense"], rec["kascade"]
+    return (f"{head}; TTFT {d['ttft_s']:.3f} / {k['ttft_s']:.3f} s, ITL {1e3 * d['itl_s']:.2f} / "
+            f"{1e3 * k['itl_s']:.2f} ms (dense / kascade)")
 
 
 def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None,
@@ -476,6 +501,17 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
     configs = [(m, b, n) for m in models for b in sorted(settings.batches) for n in sorted(settings.lengths)]
     bar = tqdm(total=len(configs), desc="bench", unit="config")
     for name in models:
+        left = clock.left(settings)
+        if left is not None and left <= 0:  # not even worth loading the model
+            for batch in sorted(settings.batches):
+                for length in sorted(settings.lengths):
+                    rec = dict(model=name, batch=batch, length=length, status="skipped",
+                               reason="--time-budget spent before this model was loaded")
+                    bar.write(_line(rec))
+                    results["configs"].append(rec)
+                    bar.update(1)
+            write(results, out, with_plot=False)
+            continue
         bar.set_postfix_str(f"loading {name}")
         t0 = time.perf_counter()
         model, desc = load(name, settings, model_path)
@@ -501,16 +537,11 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
                 est = estimate_bytes(model.config, mplan, weights=weights, batch=batch, length=length,
                                      settings=settings)
                 rec["estimate_gb"] = {k: v / GB for k, v in est.items()}
-                avail = available_bytes(model, settings)
-                pred = predict_seconds(done, batch, length)
-                rec["predicted_s"] = pred
-                left = None if settings.time_budget_s is None else settings.time_budget_s - clock.elapsed()
-                if avail is not None and est["total"] > avail:
-                    rec.update(status="skipped", reason=f"needs ~{est['total'] / GB:.1f} GB, {avail / GB:.1f} GB free"
-                               + ("" if settings.prefill_chunk else " (try --prefill-chunk)"))
-                elif left is not None and pred is not None and pred > left:
-                    rec.update(status="skipped", reason=f"predicted ~{pred:.0f} s, {max(left, 0):.0f} s left of "
-                               "--time-budget")
+                rec["predicted_s"] = predict_seconds(done, batch, length)
+                reason = _skip_reason(est["total"], available_bytes(model, settings), rec["predicted_s"],
+                                      clock.left(settings), settings)
+                if reason:
+                    rec.update(status="skipped", reason=reason)
                 else:
                     t0 = time.perf_counter()
                     partial: dict = {}
@@ -518,25 +549,16 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
                         rec.update(measure_config(model, mplan, batch=batch, length=length, settings=settings,
                                                   partial=partial))
                         rec["status"] = "ok"
+                        done.append(rec)
                     except torch.OutOfMemoryError as e:
-                        done_modes = list(partial) or "none"
-                        rec.update(status="oom", reason=f"out of memory after modes {done_modes}: "
+                        rec.update(status="oom", reason=f"out of memory after modes {list(partial) or 'none'}: "
                                    + str(e).splitlines()[0][:160],
                                    partial={m: {k: v for k, v in r.items() if k != "last_logits"}
                                             for m, r in partial.items()})
                     del partial
                     rec["wall_s"] = time.perf_counter() - t0
                     _free(settings.device)
-                    if rec["status"] == "ok":
-                        done.append(rec)
-                    msg = (f"{name} B={batch} L={length}: {rec['status']}, {rec['wall_s']:.1f} s wall")
-                    if rec["status"] == "ok":
-                        msg += (f"; TTFT {rec['dense']['ttft_s']:.3f} / {rec['kascade']['ttft_s']:.3f} s, "
-                                f"ITL {1e3 * rec['dense']['itl_s']:.2f} / {1e3 * rec['kascade']['itl_s']:.2f} ms")
-                    bar.write(msg)
-                if rec["status"] != "ok":
-                    if rec["status"] == "skipped":
-                        bar.write(f"{name} B={batch} L={length}: skipped ({rec['reason']})")
+                bar.write(_line(rec))
                 results["configs"].append(rec)
                 results["elapsed_s"] = clock.elapsed()
                 # the plot takes a second or two: redrawn only after configurations that took much longer
