@@ -359,8 +359,9 @@ def environment(device: str) -> dict:
         triton_v = None
     dev = torch.device(device)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    gpu_mem = torch.cuda.get_device_properties(dev).total_memory / GB if dev.type == "cuda" else None
     return dict(machine=f"{platform.node()} ({platform.machine()}, {platform.system()})",
-                device=gpu or f"CPU ({platform.processor() or platform.machine()})", gpu=gpu,
+                device=gpu or f"CPU ({platform.processor() or platform.machine()})", gpu=gpu, gpu_memory_gb=gpu_mem,
                 torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v,
                 transformers=transformers.__version__, python=platform.python_version())
 
