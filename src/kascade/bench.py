@@ -397,6 +397,9 @@ def table(results: dict) -> str:
     lines += [f"- {m}: {info['description']}; plan: {info['plan']}" + (f". {info['note']}" if info.get("note") else "")
               for m, info in results["models"].items()]
     lines.append("- speedup = dense / kascade (same run); attention share = 1 - t(no-op attention) / t(dense).")
+    if s["prefill_chunk"]:
+        lines.append(f"- prefill in chunks of {s['prefill_chunk']} tokens: for the chunks after the first, dense runs "
+                     "transformers' SDPA with an explicit [B, 1, chunk, N] mask (not the causal flash path).")
     return "\n".join(lines)
 
 
@@ -486,8 +489,7 @@ def _line(rec: dict) -> str:
             f"{1e3 * k['itl_s']:.2f} ms (dense / kascade)")
 
 
-def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None,
-        log=print) -> dict:
+def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None) -> dict:
     """Measure every (model, batch, length); write the outputs after each configuration; return the results."""
     from tqdm.auto import tqdm
 
