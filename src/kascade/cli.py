@@ -69,6 +69,25 @@ def _eval(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from . import bench
+
+    return bench.main_args(args)
+
+
+def _positive(kind):
+    def parse(value):
+        try:
+            x = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be a positive integer, got {value!r}") from None
+        if x < 1:
+            raise argparse.ArgumentTypeError(f"{kind} must be a positive integer, got {value!r}")
+        return x
+
+    return parse
+
+
 def _model_args(p) -> None:
     """--model and --device: the same meaning in every command."""
     p.add_argument("--model", default=None,
@@ -169,6 +188,70 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="kascade-eval", help="output folder (default: ./kascade-eval)")
     _model_args(e)
     e.set_defaults(func=_eval)
+
+    from .bench import MODELS, Settings
+
+    dflt = Settings()
+    b = sub.add_parser(
+        "bench",
+        help="end-to-end time to first token and inter-token latency, dense vs Kascade",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Measures, for every model x batch size x prompt length (a configuration), in one run and on the same weights and
+random prompt (seeded token ids):
+  TTFT   time to first token: the prompt through model(..., use_cache=True, logits_to_keep=1) into a fresh
+         DynamicCache, plus the argmax; synchronised before and after; median of --repeats after one warm-up
+  ITL    inter-token latency: mean time per greedy decode step over --decode-steps steps after the prefill and
+         2 untimed steps (eager)
+  peak   torch.cuda.max_memory_allocated (weights included), reset before each mode
+  attention share   1 - t(no-op attention) / t(dense), prefill and decode: the same forward with a temporary
+         attention implementation that returns zeros (the model's own implementation is restored afterwards)
+for dense (the model's own attention, SDPA) and Kascade (kascade.enable(model, plan, backend=--backend)), with
+speedups dense / Kascade. Before each configuration its memory (weights + KV cache + prefill activations + Kascade's
+selections) is estimated; one that cannot fit, or is predicted to overrun --time-budget, is skipped with the reason;
+out-of-memory errors are caught per configuration and recorded.
+
+Models (--models):
+  default  --model (a .gguf file or a local model folder), else the embedded SmolLM2-135M-Instruct; plan: --plan,
+           else the shipped calibrated plan for its shape (else uniform). SmolLM2 is trained for 8K tokens: longer
+           lengths measure speed only.
+  llama8b  Llama-3.1-8B shapes (hidden 4096, 32 layers, 32 query / 8 KV heads, head_dim 128, vocab 128256) with
+           random weights built on --device, nothing downloaded; plan: uniform 5 anchors of 32 layers.
+  tiny     a tiny random Llama (4 layers, hidden 64) for tests and dry runs; plan: uniform 2 anchors.
+
+Writes bench.json (machine, versions, settings, every measurement and skip reason), bench.md (the table) and
+bench.png (TTFT and ITL against context length) into --out after every configuration, and prints the table.""",
+    )
+    b.add_argument("--models", type=_csv("model", MODELS), default=["default", "llama8b"],
+                   help=f"comma-separated models, or 'all' (default: default,llama8b); from: {', '.join(MODELS)}")
+    b.add_argument("--lengths", type=_positive("length"), nargs="+", default=list(dflt.lengths),
+                   help=f"prompt lengths in tokens (default: {' '.join(map(str, dflt.lengths))})")
+    b.add_argument("--batches", type=_positive("batch size"), nargs="+", default=list(dflt.batches),
+                   help=f"batch sizes (default: {' '.join(map(str, dflt.batches))})")
+    b.add_argument("--repeats", type=_positive("--repeats"), default=dflt.repeats,
+                   help=f"timed prefills per mode after one warm-up; TTFT is their median (default: {dflt.repeats})")
+    b.add_argument("--decode-steps", type=_positive("--decode-steps"), default=dflt.decode_steps,
+                   help=f"greedy decode steps averaged into ITL (default: {dflt.decode_steps})")
+    b.add_argument("--prefill-chunk", type=int, default=0,
+                   help="feed the prompt this many tokens at a time through the cache (bounds activation memory for "
+                   "big batches; dense then runs transformers' masked SDPA for the later chunks); 0: whole prompt "
+                   "(default: 0)")
+    b.add_argument("--backend", default=dflt.backend,
+                   help=f"passed to kascade.enable: auto (Triton on CUDA where supported, else the reference), "
+                   f"triton or reference (default: {dflt.backend})")
+    b.add_argument("--plan", default=None,
+                   help="a Kascade plan JSON used for every selected model (it must match each one's shape)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default: 0)")
+    b.add_argument("--memory-limit", type=float, default=None,
+                   help="GB a configuration may use, weights included (default: the GPU's free memory plus what this "
+                   "process holds; no check on CPU)")
+    b.add_argument("--time-budget", type=float, default=dflt.time_budget_s,
+                   help="seconds for the whole run, model loading included: a configuration predicted (from the "
+                   "previous one, scaled up by batch and length squared) to overrun it is skipped; 0: no limit "
+                   f"(default: {dflt.time_budget_s:.0f})")
+    b.add_argument("--out", default="kascade-bench", help="output folder (default: ./kascade-bench)")
+    _model_args(b)
+    b.set_defaults(func=_bench)
     return p
 
 
