@@ -219,3 +219,19 @@ def test_out_of_memory_is_recorded_per_configuration(tmp_path, monkeypatch):
     assert a["partial"]["dense"]["ttft_s"] > 0 and "kascade" not in a["partial"]
     assert b["status"] == "ok"  # the run went on, Kascade disabled again after the failure
     assert "| tiny | 1 | 64 | oom:" in (tmp_path / "bench.md").read_text()
+
+
+def test_decode_mode_settings_are_checked():
+    from kascade import bench
+
+    assert bench.Settings(device="cpu").decode == "eager"
+    assert bench.Settings(device="cpu").warmup_decode_steps == 16  # eager: kernels specialise on N % 16
+    assert bench.Settings(device="cuda").decode == "graph"
+    assert bench.Settings(device="cuda").warmup_decode_steps == 2
+    assert bench.Settings(device="cuda", prefill_chunk=8192).decode == "eager"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        bench.Settings(device="cpu", decode="graph")
+    with pytest.raises(ValueError, match="needs --decode eager"):
+        bench.Settings(device="cuda", decode="graph", prefill_chunk=8192)
+    with pytest.raises(ValueError, match="'graph' or 'eager'"):
+        bench.Settings(device="cpu", decode="lazy")

@@ -3,16 +3,21 @@
 For each model, batch size ``B`` and prompt length ``L`` (a *configuration*), on the same weights and the same
 random prompt (token ids drawn from a seeded generator):
 
-- **dense**: the model's own attention implementation (transformers' SDPA unless the model says otherwise);
+- **dense**: eager decoding: the model's own attention implementation (transformers' SDPA unless the model says
+  otherwise); graph decoding: :class:`~kascade.integration.graphs.DenseRuntime` (PyTorch SDPA with cuDNN attention
+  first in priority for the prefill, Kascade's dense split-K Triton kernel for decode steps);
 - **kascade**: ``kascade.enable(model, plan, backend=...)``;
 - **no-attn**: a temporary attention implementation that returns zeros of the right shape, so that
   ``1 - t_noattn / t_dense`` is the share of the dense time spent in attention (prefill and decode).
 
-TTFT = ``model(prompt, use_cache=True, logits_to_keep=1)`` (optionally in chunks of ``prefill_chunk`` tokens
-through the cache) plus the argmax, synchronised before and after, median of ``repeats`` after one warm-up prefill
-(dense and Kascade; the no-attention mode reuses dense's warmed-up kernels).
-ITL = mean time of ``decode_steps`` greedy steps (eager, ``DynamicCache``) after the last timed prefill and
-``warmup_decode_steps`` untimed ones.
+``decode="graph"`` (the default on CUDA): the prompt is prefilled into a ``StaticCache`` and every decode step is
+one CUDA-graph replay (:class:`~kascade.integration.graphs.GraphDecoder`), how serving engines decode;
+``decode="eager"``: a ``DynamicCache`` and one Python-driven forward per step (at batch 1 the host then sets the
+pace). TTFT = the prompt through the model (``logits_to_keep=1``; eager mode: optionally in chunks of
+``prefill_chunk`` tokens) plus the argmax, synchronised before and after, median of ``repeats`` after one warm-up
+prefill (dense and Kascade; the no-attention mode reuses dense's warmed-up kernels).
+ITL = mean time of ``decode_steps`` greedy steps after the last timed prefill and ``warmup_decode_steps`` untimed
+ones (graph mode: the eager steps before the capture, then the capture itself).
 Peak memory = ``torch.cuda.max_memory_allocated`` per mode (weights included), reset before each mode.
 
 Before a configuration runs, its memory (weights + KV cache + prefill activations + Kascade's selections) is
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from .integration.graphs import GraphDecoder, enable_dense
 from .integration.hf import enable
 from .plan import KascadePlan, ModelFingerprint, default_plan
 
@@ -62,9 +68,10 @@ class Settings:
     batches: tuple[int, ...] = (1, 8)
     repeats: int = 1
     decode_steps: int = 16
-    warmup_decode_steps: int = 2
+    warmup_decode_steps: int | None = None  # None: 2 in graph mode, 16 eager (kernels specialise on N % 16)
     prefill_chunk: int = 0  # 0: the whole prompt in one forward
     backend: str = "auto"
+    decode: str | None = None  # "graph" | "eager"; None: graph on CUDA (without prefill_chunk), else eager
     seed: int = 0
     device: str = "cpu"
     memory_limit_gb: float | None = None  # None: the device's free memory (no check on CPU)
@@ -81,6 +88,17 @@ class Settings:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.decode is None:
+            cuda = torch.device(self.device).type == "cuda"
+            object.__setattr__(self, "decode", "graph" if cuda and not self.prefill_chunk else "eager")
+        if self.decode not in ("graph", "eager"):
+            raise ValueError(f"decode must be 'graph' or 'eager', got {self.decode!r}")
+        if self.decode == "graph" and torch.device(self.device).type != "cuda":
+            raise ValueError("decode='graph' (CUDA graphs) needs a CUDA device; use decode='eager'")
+        if self.decode == "graph" and self.prefill_chunk:
+            raise ValueError("--prefill-chunk needs --decode eager (graph decoding prefills into a static cache)")
+        if self.warmup_decode_steps is None:
+            object.__setattr__(self, "warmup_decode_steps", 2 if self.decode == "graph" else 16)
         if self.warmup_decode_steps < 0 or self.prefill_chunk < 0:
             raise ValueError("warmup_decode_steps and prefill_chunk must be >= 0")
         if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
@@ -266,6 +284,38 @@ def measure_mode(model, ids, settings: Settings, *, warmup: bool) -> dict:
     return r
 
 
+@torch.no_grad()
+def measure_mode_graph(model, ids, settings: Settings, *, warmup: bool) -> dict:
+    """:func:`measure_mode` with a static cache and CUDA-graph decode steps (:class:`GraphDecoder`)."""
+    dev = ids.device
+    _peak_reset(dev)
+    B, L = ids.shape
+    dec = GraphDecoder(model, B, L + settings.warmup_decode_steps + settings.decode_steps + 2,
+                       warmup=max(1, settings.warmup_decode_steps))
+    if warmup:
+        dec.prefill(ids)
+    times = []
+    for _ in range(settings.repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        first = dec.prefill(ids)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    logits = dec.last_logits
+    for _ in range(max(1, settings.warmup_decode_steps) + 1):  # eager steps, then the capture and a first replay
+        dec.step()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(settings.decode_steps):
+        dec.step()
+    _sync(dev)
+    itl = (time.perf_counter() - t0) / settings.decode_steps
+    r = dict(ttft_s=statistics.median(times), ttft_all_s=times, itl_s=itl, peak_gb=_peak(dev),
+             first_token=first[:, 0].tolist(), last_logits=logits.float().cpu())
+    del dec
+    return r
+
+
 def measure_config(model, plan: KascadePlan, *, batch: int, length: int, settings: Settings,
                    partial: dict | None = None) -> dict:
     """Dense, Kascade and no-attention measurements of one (batch, length) on ``model``. Each finished mode is
@@ -274,12 +324,18 @@ def measure_config(model, plan: KascadePlan, *, batch: int, length: int, setting
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = prompt(batch, length, vocab, settings.seed, dev)
     res: dict = {} if partial is None else partial
-    res["dense"] = measure_mode(model, ids, settings, warmup=True)
+    graph = settings.decode == "graph"
+    measure = measure_mode_graph if graph else measure_mode
+    if graph:
+        with enable_dense(model):
+            res["dense"] = measure(model, ids, settings, warmup=True)
+    else:
+        res["dense"] = measure(model, ids, settings, warmup=True)
     with enable(model, plan, backend=settings.backend, warn_uncalibrated=False) as h:
-        res["kascade"] = measure_mode(model, ids, settings, warmup=True)
+        res["kascade"] = measure(model, ids, settings, warmup=True)
         res["kascade"]["backend"] = getattr(h.runtime, "backend", settings.backend)
     with NoAttention(model):
-        res["noattn"] = measure_mode(model, ids, settings, warmup=False)
+        res["noattn"] = measure(model, ids, settings, warmup=False)
     return summarize(dict(res))
 
 
@@ -375,8 +431,8 @@ def table(results: dict) -> str:
     s = results["settings"]
     lines = [
         (f"device {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
-         f"backend {s['backend']}; repeats {s['repeats']} (median, after one warm-up), {s['decode_steps']} decode "
-         f"steps; prefill chunk {s['prefill_chunk'] or 'none'}"),
+         f"backend {s['backend']}; decode {s.get('decode') or 'eager'}; repeats {s['repeats']} (median, after one "
+         f"warm-up), {s['decode_steps']} decode steps; prefill chunk {s['prefill_chunk'] or 'none'}"),
         "",
         ("| model | B | L | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms | speedup "
          "| attn share prefill / decode | peak GB dense | peak GB kascade | ratio | wall s |"),
@@ -397,6 +453,9 @@ def table(results: dict) -> str:
     lines += [f"- {m}: {info['description']}; plan: {info['plan']}" + (f". {info['note']}" if info.get("note") else "")
               for m, info in results["models"].items()]
     lines.append("- speedup = dense / kascade (same run); attention share = 1 - t(no-op attention) / t(dense).")
+    if s.get("decode") == "graph":
+        lines.append("- decode: static cache, one CUDA-graph replay per step, for all three modes; dense = PyTorch "
+                     "SDPA (cuDNN first) in prefill and Kascade's dense split-K Triton kernel in decode.")
     if s["prefill_chunk"]:
         lines.append(f"- prefill in chunks of {s['prefill_chunk']} tokens: for the chunks after the first, dense runs "
                      "transformers' SDPA with an explicit [B, 1, chunk, N] mask (not the causal flash path).")
@@ -579,6 +638,7 @@ def main_args(args) -> int:
     """The `kascade bench` subcommand (called by :mod:`kascade.cli`)."""
     settings = Settings(lengths=args.lengths, batches=args.batches, repeats=args.repeats,
                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, backend=args.backend,
+                        decode=args.decode,
                         seed=args.seed, device=args.device, memory_limit_gb=args.memory_limit,
                         time_budget_s=args.time_budget or None)
     plan = KascadePlan.load(args.plan) if args.plan else None

@@ -200,13 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
 Measures, for every model x batch size x prompt length (a configuration), in one run and on the same weights and
 random prompt (seeded token ids):
   TTFT   time to first token: the prompt through model(..., use_cache=True, logits_to_keep=1) into a fresh
-         DynamicCache, plus the argmax; synchronised before and after; median of --repeats after one warm-up
+         cache, plus the argmax; synchronised before and after; median of --repeats after one warm-up
   ITL    inter-token latency: mean time per greedy decode step over --decode-steps steps after the prefill and
-         2 untimed steps (eager)
+         untimed warm-up steps. --decode graph (default on CUDA): a static cache and one CUDA-graph replay per
+         step, how serving engines decode; --decode eager: a DynamicCache and a Python-driven forward per step
   peak   torch.cuda.max_memory_allocated (weights included), reset before each mode
   attention share   1 - t(no-op attention) / t(dense), prefill and decode: the same forward with a temporary
          attention implementation that returns zeros (the model's own implementation is restored afterwards)
-for dense (the model's own attention, SDPA) and Kascade (kascade.enable(model, plan, backend=--backend)), with
+for dense (eager: the model's own attention, SDPA; graph: SDPA with cuDNN first for the prefill and a dense
+split-K Triton kernel for decode, since SDPA over a static cache attends its whole capacity) and Kascade (kascade.enable(model, plan, backend=--backend)), with
 speedups dense / Kascade. Before each configuration its memory (weights + KV cache + prefill activations + Kascade's
 selections) is estimated; one that cannot fit, or is predicted to overrun --time-budget, is skipped with the reason;
 out-of-memory errors are caught per configuration and recorded.
@@ -232,6 +234,9 @@ bench.png (TTFT and ITL against context length) into --out after every configura
                    help=f"timed prefills per mode after one warm-up; TTFT is their median (default: {dflt.repeats})")
     b.add_argument("--decode-steps", type=_positive("--decode-steps"), default=dflt.decode_steps,
                    help=f"greedy decode steps averaged into ITL (default: {dflt.decode_steps})")
+    b.add_argument("--decode", choices=("graph", "eager"), default=None,
+                   help="how decode steps run: graph (static cache + CUDA graph replay; the default on CUDA) or eager "
+                   "(DynamicCache, one Python-driven forward per step; the default elsewhere)")
     b.add_argument("--prefill-chunk", type=int, default=0,
                    help="feed the prompt this many tokens at a time through the cache (bounds activation memory for "
                    "big batches; dense then runs transformers' masked SDPA for the later chunks); 0: whole prompt "

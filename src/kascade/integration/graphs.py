@@ -45,9 +45,22 @@ class DenseRuntime(KascadeRuntime):
             return decode.dense_decode(q, k, v, scale=scale, meta=st.meta)
         L = q.shape[2]
         if st.q_offset == 0 and not bool(st.kv_start.any()):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k[:, :, :L], v[:, :, :L], is_causal=True, scale=scale, enable_gqa=True)
+            return _sdpa_causal(q, k[:, :, :L], v[:, :, :L], scale)
         return prefill.dense_prefill(q, k, v, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset)
+
+
+def _sdpa_causal(q, k, v, scale):
+    """Causal SDPA with cuDNN attention first in priority (the fastest dense prefill on Hopper; it needs the KV
+    heads repeated to the query heads), then flash, memory-efficient and math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    G = q.shape[1] // k.shape[1]
+    if q.device.type == "cuda" and G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=k.shape[1] != q.shape[1])
 
 
 def enable_dense(model):
@@ -73,6 +86,7 @@ class GraphDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
         self.ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.device)  # the step's input
         self.graph = None
+        self.last_logits = None  # the prefill's last-position logits [B, V]
         self.length = 0  # tokens in the cache
         self._eager_steps = 0
 
@@ -92,7 +106,8 @@ class GraphDecoder:
         self.cache.reset()
         logits = self.model(input_ids=input_ids.to(self.device), past_key_values=self.cache, use_cache=True,
                             logits_to_keep=1).logits
-        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.last_logits = logits[:, -1]
+        self.ids.copy_(self.last_logits.argmax(-1, keepdim=True))
         self.length = L
         self._eager_steps = 0
         return self.ids.clone()
