@@ -360,8 +360,8 @@ def summarize(res: dict) -> dict:
 # -- memory and time predictions ---------------------------------------------------------------------------------
 def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, length: int, settings: Settings) -> dict:
     """Rough peak memory of one configuration: ``weights`` bytes + KV cache + one prefill chunk's activations (the
-    larger of the attention and the MLP phase) + Kascade's selections of that chunk (int64 ``[B, H, tiles, k]`` per
-    anchor, plus one more for temporaries). Logits are kept for the last position only."""
+    larger of the attention and the MLP phase) + Kascade's selection of that chunk (``[B, H, tiles, k]``, one anchor's
+    at a time, twice for a remapped copy). Logits are kept for the last position only."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     fp = ModelFingerprint.from_config(cfg)
     nbytes = torch.finfo(settings.dtype).bits // 8
@@ -375,7 +375,10 @@ def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, lengt
     act = batch * chunk * per_token
     logits = batch * cfg.vocab_size * 4 * 2
     tiles = math.ceil(chunk / plan.tile)
-    sel = batch * fp.num_kv_heads * tiles * plan.budget.k(length) * 8 * (len(plan.anchors) + 1)
+    # the runtime holds one anchor's selection at a time (int32 from the Triton kernels, int64 from the
+    # reference); counted twice for the remapped copy a reuse layer makes through a non-identity head map
+    isize = 4 if settings.backend != "reference" else 8
+    sel = batch * fp.num_kv_heads * tiles * plan.budget.k(length) * isize * 2
     # later chunks of a chunked prefill: transformers' SDPA path builds a boolean [B, 1, chunk, N] mask for dense
     mask = batch * chunk * n_total if chunk < length else 0
     total = 1.15 * (weights + kv + act + logits + sel + mask) + 0.5 * GB
