@@ -132,9 +132,9 @@ def merge_ranked(cands: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor) 
     valid = cands >= 0
     idx = torch.where(valid, cands, _BIG)
     pr = torch.where(valid, prio, _BIG)
-    o = pr.argsort(-1, stable=True)  # by priority, then (stable) by key: duplicates end up adjacent, best first
+    o = pr.argsort(dim=-1, stable=True)  # by priority, then (stable) by key: duplicates end up adjacent, best first
     idx, pr = idx.gather(-1, o), pr.gather(-1, o)
-    o = idx.argsort(-1, stable=True)
+    o = idx.argsort(dim=-1, stable=True)
     idx, pr = idx.gather(-1, o), pr.gather(-1, o)
     dup = torch.zeros_like(valid)
     dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
