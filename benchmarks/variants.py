@@ -169,7 +169,7 @@ def main():
     p.add_argument("--eval-windows", type=int, nargs="+", default=[8, 5], help="eval windows per length")
     p.add_argument("--search-evals", type=int, default=24, help="plans scored per anchor search")
     p.add_argument("--niah-lengths", type=int, nargs="*", default=[2048, 4096])
-    p.add_argument("--niah-samples", type=int, default=3)
+    p.add_argument("--niah-samples", type=int, default=2)
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES)
     a = p.parse_args()
     if len(a.eval_windows) == 1:

@@ -102,7 +102,7 @@ def plan_for_rule(model_or_fp, stats: CalibrationStats, anchors, rule: str = "fa
     anchors = tuple(sorted(anchors))
     plan_anchor = [max(a for a in anchors if a <= b) for b in range(fp.num_layers)]
     hm = tuple(stats.head_map(plan_anchor[b], b) for b in range(fp.num_layers))
-    b = dict(ratio=0.10, k_min=128, tile=32, rolling=True, **(budget or {}))
+    b = {**dict(ratio=0.10, k_min=128, tile=32, rolling=True), **(budget or {})}
     plan = KascadePlan(fp, anchors, hm, calibrated=True, source=source or f"calibrated ({rule}): anchors "
                        f"{list(anchors)}, {stats.windows} windows of {stats.seq_len} tokens", **b)
     changes = {}
