@@ -177,3 +177,18 @@ def test_ranked_plan_refuses_a_custom_selector():
     plan = dataclasses.replace(_base(model), sinks=4, recent=0.5)
     with pytest.raises(ValueError, match="ranked reuse"):
         kascade.enable(model, plan, selector=kascade.ops.select, warn_uncalibrated=False)
+
+
+def test_enable_uses_a_shipped_variant_plan(monkeypatch):
+    """Making a variant the default is shipping its plan: enable(model) with no plan runs whatever it holds."""
+    import kascade.plan as plan_mod
+
+    model = _model()
+    shipped = dataclasses.replace(_base(model), sinks=4, recent=0.5, calibrated=True)
+    monkeypatch.setattr(plan_mod, "shipped_plans", lambda: [KascadePlan.from_json(shipped.to_json())])
+    ids = _ids(300)
+    with torch.no_grad(), kascade.enable(model) as h:
+        got = model(ids).logits
+    assert h.runtime.plan == shipped and h.runtime.plan.ranked
+    ref, _ = _run(model, shipped, ids)
+    assert torch.equal(got, ref)
