@@ -152,7 +152,8 @@ def write(out: Path, res: dict, plans: dict, header: str, lengths, niah_lengths)
     if res.get("best"):
         lines += ["", f"Best variant by mean dev KL: **{res['best']}** (plan_best.json)."]
     if res.get("combined_rule"):
-        lines += [f"Combined reuse rule chosen on dev: `{res['combined_rule']}`."]
+        lines += [f"Combined reuse rule chosen on dev: `{res['combined_rule']}` (layer-budget alpha "
+                  f"{res.get('alpha')}); kascade-best = that rule with anchors searched per length."]
     lines += ["", "Stage timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res.get("timings", {}).items())]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
@@ -220,7 +221,7 @@ def main():
         return sum(scorers[L](plan.for_length(L) if plan.by_length else plan)["kl"] for L in lengths) / len(lengths)
 
     dev_scores = {}
-    rule = "faithful"
+    rule, alpha = "faithful", cv.ALPHA
     if "screen" not in a.skip:
         t = time.perf_counter()
         for name, plan in plans.items():
@@ -237,9 +238,15 @@ def main():
             log(f"  dev KL rule {cand}: {kl:.4f} (current {rule}: {cur:.4f})")
             if kl < cur:
                 rule, cur = cand, kl
-        res["combined_rule"] = rule
+        if "layer-budget" in rule:  # how strongly budgets follow the dissimilarity: the default, or 0.5 / 2
+            for al in (0.5, 2.0):
+                kl = dev_kl(cv.plan_for_rule(fp, stats[top], base_anchors, rule, alpha=al))
+                log(f"  dev KL rule {rule} alpha {al}: {kl:.4f} (current alpha {alpha}: {cur:.4f})")
+                if kl < cur:
+                    alpha, cur = al, kl
+        res["combined_rule"], res["alpha"] = rule, alpha
         if rule != "faithful":
-            plans["kascade-combined"] = cv.plan_for_rule(fp, stats[top], base_anchors, rule)
+            plans["kascade-combined"] = cv.plan_for_rule(fp, stats[top], base_anchors, rule, alpha=alpha)
             dev_scores["kascade-combined"] = cur
         res["timings"]["screen"] = time.perf_counter() - t
         res["dev_scores"] = dev_scores
@@ -254,16 +261,17 @@ def main():
                 continue
             found = {}
             for L in lengths:
-                best, s, hist = cv.search_anchors(lambda an: cv.plan_for_rule(fp, stats[L], an, r), scorers[L],
+                best, s, hist = cv.search_anchors(lambda an: cv.plan_for_rule(fp, stats[L], an, r, alpha=alpha),
+                                                  scorers[L],
                                                   cv.dp_anchors(stats[L], a.anchors), fp.num_layers,
                                                   max_evals=a.search_evals, progress=False)
                 found[L] = best
                 res["search"][f"{label}@{L}"] = dict(rule=r, best=list(best), score=s, history=hist)
                 log(f"  search {label} at {L}: {list(best)} dev KL {s['kl']:.4f} ({len(hist)} plans)")
             if len(lengths) > 1:
-                plans[label] = cv.length_plan(fp, stats, a.anchors, r, anchors_by_length=found)
+                plans[label] = cv.length_plan(fp, stats, a.anchors, r, anchors_by_length=found, alpha=alpha)
             else:
-                plans[label] = cv.plan_for_rule(fp, stats[top], found[top], r)
+                plans[label] = cv.plan_for_rule(fp, stats[top], found[top], r, alpha=alpha)
             dev_scores[label] = dev_kl(plans[label])
             log(f"  dev KL {label}: {dev_scores[label]:.4f}")
         res["timings"]["search"] = time.perf_counter() - t
