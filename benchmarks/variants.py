@@ -48,7 +48,7 @@ class Log:
 
 
 @torch.no_grad()
-def evaluate(model, plans: dict, windows, log) -> dict:
+def evaluate(model, plans: dict, windows, log, backend: str) -> dict:
     """Per plan: agreement / KL vs dense pooled over windows, attended fraction (mean over windows)."""
     dev = next(model.parameters()).device
     acc = {n: dict(agree=0.0, kl=0.0, pos=0, frac=0.0) for n in plans}
@@ -56,7 +56,7 @@ def evaluate(model, plans: dict, windows, log) -> dict:
         ids = w[None].to(dev)
         d, _ = scored_logits(model, ids)
         for name, plan in plans.items():
-            with enable(model, plan, account=True, warn_uncalibrated=False) as h:
+            with enable(model, plan, account=True, warn_uncalibrated=False, backend=backend) as h:
                 s, _ = scored_logits(model, ids)
             f = fidelity(d, s)
             a = acc[name]
@@ -70,7 +70,7 @@ def evaluate(model, plans: dict, windows, log) -> dict:
 
 
 @torch.no_grad()
-def niah(model, tok, plans: dict, length: int, samples: int) -> dict:
+def niah(model, tok, plans: dict, length: int, samples: int, backend: str) -> dict:
     dev = next(model.parameters()).device
     out = {n: dict(score=0.0, attended_fraction=0.0, predictions=[]) for n in ["dense", *plans]}
     for i in range(samples):
@@ -79,7 +79,8 @@ def niah(model, tok, plans: dict, length: int, samples: int) -> dict:
                                       return_tensors="pt", return_dict=True)
         ids = {k: v.to(dev) for k, v in ids.items()}
         for name in out:
-            h = None if name == "dense" else enable(model, plans[name], account=True, warn_uncalibrated=False)
+            h = None if name == "dense" else enable(model, plans[name], account=True, warn_uncalibrated=False,
+                                                    backend=backend)
             try:
                 g = model.generate(**ids, max_new_tokens=smp.max_new_tokens, do_sample=False,
                                    pad_token_id=tok.pad_token_id)
@@ -172,6 +173,8 @@ def main():
     p.add_argument("--niah-lengths", type=int, nargs="*", default=[2048, 4096])
     p.add_argument("--niah-samples", type=int, default=2)
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES)
+    p.add_argument("--backend", default="reference", choices=["reference", "auto", "triton"],
+                   help="attention backend for every run (default: reference, the specification)")
     a = p.parse_args()
     if len(a.eval_windows) == 1:
         a.eval_windows = a.eval_windows * len(a.lengths)
@@ -187,7 +190,7 @@ def main():
     import transformers
 
     header = (f"machine: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}; "
-              f"SmolLM2-135M-Instruct fp32; {a.anchors} anchors; calibration {a.cal_windows} dev windows per length, "
+              f"SmolLM2-135M-Instruct fp32; backend {a.backend}; {a.anchors} anchors; calibration {a.cal_windows} dev windows per length, "
               f"screen/search {a.dev_windows} other dev windows per length, eval windows {a.eval_windows}")
     log(f"model loaded ({fp.num_layers} layers); {header}")
     res = dict(header=header, args=vars(a), timings={})
@@ -215,7 +218,8 @@ def main():
     write(out, res, plans, header, lengths, [])
 
     # 2. screen on dev windows (not the calibration ones: another seed) ----------------------------------------
-    scorers = {L: cv.DevScorer(model, text.windows(tok, "dev", L, a.dev_windows, seed=11)) for L in lengths}
+    scorers = {L: cv.DevScorer(model, text.windows(tok, "dev", L, a.dev_windows, seed=11),
+                                  backend=a.backend) for L in lengths}
 
     def dev_kl(plan):
         return sum(scorers[L](plan.for_length(L) if plan.by_length else plan)["kl"] for L in lengths) / len(lengths)
@@ -290,7 +294,8 @@ def main():
         res["eval"] = {}
         for L, n in zip(a.lengths, a.eval_windows):
             t1 = time.perf_counter()
-            res["eval"][str(L)] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), log)
+            res["eval"][str(L)] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), log,
+                                         a.backend)
             log(f"eval at {L}: {n} windows, {time.perf_counter() - t1:.1f} s")
             write(out, res, plans, header, lengths, [])
         res["timings"]["eval"] = time.perf_counter() - t
@@ -300,7 +305,7 @@ def main():
         t = time.perf_counter()
         res["niah"] = {}
         for L in a.niah_lengths:
-            res["niah"][str(L)] = niah(model, tok, plans, L, a.niah_samples)
+            res["niah"][str(L)] = niah(model, tok, plans, L, a.niah_samples, a.backend)
             log(f"niah at {L}: " + ", ".join(f"{k} {v['score']:.2f}" for k, v in res["niah"][str(L)].items()))
             write(out, res, plans, header, lengths, a.niah_lengths)
         res["timings"]["niah"] = time.perf_counter() - t
