@@ -136,7 +136,7 @@ class KascadeRuntime:
         self.account = account
         self.attended: dict[int, list[int]] = {}
         self.state: ForwardState | None = None
-        self._head_maps: dict[tuple[int, torch.device], torch.Tensor | None] = {}
+        self._head_maps: dict[tuple[int, int, torch.device], torch.Tensor | None] = {}  # (id(plan), layer, device)
         self._kernels = None
 
     # -- per forward -------------------------------------------------------------------------------------------
