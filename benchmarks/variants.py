@@ -129,7 +129,7 @@ def write(out: Path, res: dict, plans: dict, header: str, lengths, niah_lengths)
     names = list(dict.fromkeys(["dense", *plans]))
     for name in names:
         p = plans.get(name)
-        cells, ok, fr = [], True, []
+        cells, ok, fr, checked = [], True, [], False
         for L in lengths:
             r = ev.get(str(L), {}).get(name)
             if r is None:
@@ -139,6 +139,7 @@ def write(out: Path, res: dict, plans: dict, header: str, lengths, niah_lengths)
             cells += [f"{r['agreement']:.4f}", f"{r['kl']:.4f}"]
             fr.append(r["attended_fraction"])
             g = GOAL.get(L)
+            checked |= g is not None
             if g and (r["agreement"] < g[0] or (g[1] is not None and r["kl"] > g[1])):
                 ok = False
         for L in niah_lengths:
@@ -147,7 +148,7 @@ def write(out: Path, res: dict, plans: dict, header: str, lengths, niah_lengths)
         anchors = "" if p is None else ("all" if len(p.anchors) == p.num_layers else str(len(p.anchors)))
         att = f"{sum(fr) / len(fr):.4f}" if fr else ("1.0000" if name == "dense" else "")
         dk = devs.get(name)
-        goal = "" if name in ("dense", "oracle") or not fr else ("yes" if ok else "no")
+        goal = "" if name in ("dense", "oracle") or not fr else ("n/a" if not checked else "yes" if ok else "no")
         lines.append(f"| {name} | {anchors} | {att} | " + " | ".join(cells) +
                      f" | {'' if dk is None else f'{dk:.4f}'} | {goal} | {describe(p)} |")
     if res.get("best"):
