@@ -88,6 +88,15 @@ def _positive(kind):
     return parse
 
 
+def _method(value):
+    from .calibrate.variants import METHODS, RULES
+
+    if value in METHODS or all(x in RULES for x in value.split("+")):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown method {value!r}; choose from {', '.join(METHODS)} (or reuse rules "
+                                     "joined by '+')")
+
+
 def _model_args(p) -> None:
     """--model and --device: the same meaning in every command."""
     p.add_argument("--model", default=None,
@@ -153,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tile", type=int, default=32, help="prefill query tile (default: 32)")
     c.add_argument("--no-rolling", action="store_true", help="plan budget: fixed instead of rolling prefill budget")
     c.add_argument("--seed", type=int, default=0, help="which development windows (default: 0)")
+    c.add_argument("--method", default="faithful", type=_method,
+                   help="which plan to write: faithful (the paper's method, default), a reuse rule of issue 8 "
+                   "(any-anchor, union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
+                   "--lengths, chosen from N at run time) or search (anchors by measured KL on other dev windows)")
+    c.add_argument("--rule", default=None, type=_method,
+                   help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
+    c.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="with --method length / search: calibration lengths (default: --seq-len)")
+    c.add_argument("--search-windows", type=int, default=2, help="with --method search: dev windows per length")
+    c.add_argument("--search-evals", type=int, default=24, help="with --method search: plans scored per length")
     c.add_argument("--out", default="kascade-calibration", help="output folder (default: ./kascade-calibration)")
     _model_args(c)
     c.set_defaults(func=_calibrate)

@@ -65,3 +65,21 @@ def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
     for argv, needle in cases:
         rc, err = _bad(tmp_path, monkeypatch, default_model, argv, capsys)
         assert rc == 2 and needle in err, (argv, err)
+
+
+@pytest.mark.model
+def test_calibrate_method_writes_that_variants_plan(tmp_path, default_model, monkeypatch):
+    import kascade.calibrate.run as run
+    from kascade import KascadePlan
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    out = tmp_path / "cal"
+    rc = main(["calibrate", "--seq-len", "300", "--samples", "1", "--anchors", "4", "--max-anchors", "4",
+               "--k-min", "32", "--method", "any-anchor+layer-budget", "--out", str(out)])
+    assert rc == 0
+    plan = KascadePlan.load(out / "plan.json")
+    assert json.loads((out / "plan.json").read_text())["format"] == "kascade-plan/2"
+    assert plan.ranked and plan.sources is not None and plan.layer_scale is not None and plan.k_min == 32
+    assert len(plan.anchors) == 4
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(out), "--method", "magic"])

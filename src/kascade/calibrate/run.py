@@ -83,6 +83,9 @@ def run(args) -> dict:
     else:
         num_anchors = args.anchors
     plan = plan_from_stats(fp, stats, num_anchors, **budget)
+    method = getattr(args, "method", "faithful")
+    if method != "faithful":
+        plan = _variant_plan(args, model, tok, fp, stats, num_anchors, budget)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +108,26 @@ def run(args) -> dict:
     except ImportError as e:
         print(f"note: no plots written ({e})")
     return dict(plan=plan, stats=stats, table=table, out=out, pictures=pictures, measured=measured)
+
+
+def _variant_plan(args, model, tok, fp, stats, num_anchors, budget):
+    """`--method`: issue 8's variants (kascade.calibrate.variants) on top of the same statistics; `--lengths` adds
+    statistics at other lengths (length-aware plans, one search per length)."""
+    from . import variants
+
+    lengths = sorted(set(args.lengths or [args.seq_len]))
+    by_len = {args.seq_len: stats} if args.seq_len in lengths else {}
+    for n in lengths:
+        if n not in by_len:
+            by_len[n] = collect_stats(model, dev_windows(tok, data=args.data, field=args.text_field, seq_len=n,
+                                                         count=args.samples, seed=args.seed), k=args.k, tile=args.tile)
+    search = None
+    if args.method == "search":
+        # scored on other development windows than the statistics' (another seed)
+        search = {n: dev_windows(tok, data=None, seq_len=n, count=args.search_windows, seed=args.seed + 11)
+                  for n in lengths}
+    return variants.plan_from_method(args.method, model, by_len, num_anchors, rule=args.rule,
+                                     search_windows=search, max_evals=args.search_evals, budget=budget, log=print)
 
 
 def report(r: dict) -> str:

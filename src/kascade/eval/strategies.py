@@ -16,6 +16,13 @@ attention op, so they differ only in *which* keys they attend.
                        whole pages as fit in the token budget; every layer selects.
 - omnikv:              one selection layer (``omnikv_layer``, default 2) pooled over all heads; every later layer
                        reuses its indices, layers before it reuse layer 0's.
+
+Issue 8's variants of Kascade (:data:`VARIANTS`; same anchor count and budget as ``kascade``, see
+:mod:`kascade.calibrate.variants` and :mod:`kascade.reuse`): ``kascade-sinks`` needs only the plan;
+``kascade-any-anchor``, ``kascade-union2``, ``kascade-layer-budget`` keep the plan's anchors and need calibration
+statistics (``stats``); ``kascade-length`` needs statistics at several lengths; ``kascade-search`` and
+``kascade-best`` need a plan made beforehand (``variant_plans``, from ``kascade calibrate --method`` or
+``benchmarks/variants.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from ..plan import KascadePlan, ModelFingerprint, default_plan
 
 STRATEGIES = ("dense", "oracle", "kascade", "kascade-no-headmap", "kascade-shared", "streamingllm", "quest",
               "omnikv")
+VARIANTS = ("kascade-length", "kascade-search", "kascade-layer-budget", "kascade-any-anchor", "kascade-union2",
+            "kascade-sinks", "kascade-best")
 SINKS = 4
 PAGE = 16
 
@@ -146,12 +155,35 @@ def quest_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=No
     return _assemble(per_seq, starts, T, L == 1, H, q.device)
 
 
+def _variant(name, fp, base, b, stats, variant_plans):
+    from ..calibrate import variants as cv
+
+    if variant_plans and name in variant_plans:
+        return variant_plans[name].with_budget(**b), None
+    if name == "kascade-sinks":
+        return dataclasses.replace(base, sinks=cv.SINKS, recent=cv.RECENT,
+                                   source=base.source + f"; reuse rows: {cv.SINKS} sinks + recent window for "
+                                   f"{cv.RECENT:.0%} of the budget"), None
+    if name in ("kascade-search", "kascade-best"):
+        raise ValueError(f"strategy {name!r} needs a plan made beforehand (variant_plans={{{name!r}: plan}}; see "
+                         "`kascade calibrate --method search` or benchmarks/variants.py)")
+    if not stats:
+        raise ValueError(f"strategy {name!r} needs calibration statistics (stats: {{length: CalibrationStats}})")
+    stats = stats if isinstance(stats, dict) else {stats.seq_len: stats}
+    if name == "kascade-length":
+        return cv.length_plan(fp, stats, len(base.anchors), budget=b), None
+    rule = name.removeprefix("kascade-")
+    return cv.plan_for_rule(fp, stats[max(stats)], base.anchors, rule, budget=b), None
+
+
 def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_layer: int = 2,
-                  budget: dict | None = None):
+                  budget: dict | None = None, stats=None, variant_plans: dict | None = None):
     """``(plan, selector)`` for a strategy name, or ``None`` for dense. ``plan`` is the calibrated plan (default:
-    the shipped one for the model); ``budget`` overrides its ratio / k_min / tile / rolling for every strategy."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    the shipped one for the model); ``budget`` overrides its ratio / k_min / tile / rolling for every strategy.
+    ``stats`` (``{length: CalibrationStats}`` or one) and ``variant_plans`` (``{name: plan}``) serve the
+    :data:`VARIANTS`; a variant's selector is None (its plan's ranked reuse selects)."""
+    if name not in STRATEGIES + VARIANTS:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES + VARIANTS)}")
     if name == "dense":
         return None
     fp = ModelFingerprint.from_model(model)
@@ -160,6 +192,8 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
         base = base.with_budget(**budget)
     b = dict(ratio=base.ratio, k_min=base.k_min, tile=base.tile, rolling=base.rolling)
     ident = (tuple(range(fp.num_kv_heads)),) * fp.num_layers
+    if name in VARIANTS:
+        return _variant(name, fp, base, b, stats, variant_plans)
     if name == "oracle":
         return KascadePlan.all_anchors(fp, **b), ops.select
     if name == "kascade":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
+from .. import ops, reuse
 from ..ops import Selection
 from ..plan import KascadePlan, ModelFingerprint, default_plan
 
@@ -121,21 +121,30 @@ class KascadeRuntime:
         if backend not in ("reference", "triton"):
             raise ValueError(f"KascadeRuntime takes backend 'reference' or 'triton' (resolve 'auto' with "
                              f"resolve_backend), got {backend!r}")
+        variants = (plan, *(p for _, p in plan.by_length))
+        if selector is not None and any(p.ranked for p in variants):
+            raise ValueError("a plan with ranked reuse (sources / layer_scale / recent) selects with its own ranking "
+                             "selector; pass selector=None")
         self.plan = plan
         self.budget = plan.budget
         self.backend = backend
-        self.custom_selector = selector is not None and selector is not ops.select
+        # Issue 8's variant plans (ranked reuse, length-aware sub-plans) need host geometry each forward: they take
+        # the validated public ops (Triton kernels still run under them with backend="triton").
+        self.custom_selector = (selector is not None and selector is not ops.select) or \
+            any(p.ranked for p in variants) or bool(plan.by_length)
         self.selector = selector or ops.select
         self.account = account
         self.attended: dict[int, list[int]] = {}
         self.state: ForwardState | None = None
-        self._head_maps: dict[tuple[int, torch.device], torch.Tensor | None] = {}
+        self._head_maps: dict[tuple[int, int, torch.device], torch.Tensor | None] = {}  # (id(plan), layer, device)
         self._kernels = None
         # Selections no later layer reads are dropped (a prefill selection is [B, H, tiles, k]: at 128K tokens
-        # and 8 KV heads, 1.7 GB in int32): after layer l, keep only the anchors that layers > l follow.
-        n = plan.num_layers
-        users = {a: max(l for l in range(n) if plan.anchor_of(l) == a) for a in plan.anchors}
-        self._last_use = users
+        # and 8 KV heads, 1.7 GB in int32): after layer l, keep only the anchors that layers > l follow. (Variant
+        # plans, whose reuse layers may read any earlier anchor or switch sub-plans by length, keep them all.)
+        self._last_use = None
+        if not plan.by_length and not plan.ranked:
+            n = plan.num_layers
+            self._last_use = {a: max(l for l in range(n) if plan.anchor_of(l) == a) for a in plan.anchors}
         self.keep_selections = False  # True: keep every anchor's selection of the last forward (inspection, tests)
 
     # -- per forward -------------------------------------------------------------------------------------------
@@ -171,8 +180,10 @@ class KascadeRuntime:
         st = self.state
         if st is None:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
-        plan = self.plan
-        if not self.keep_selections:
+        plan = self.plan.for_length(k.shape[2] - int(st.kv_start.min())) if self.plan.by_length else self.plan
+        if plan.ranked:
+            return self._attend_ranked(plan, layer, q, k, v, scale, st)
+        if self._last_use is not None and not self.keep_selections:
             for a in [a for a in st.selections if self._last_use[a] < layer]:
                 del st.selections[a]  # before this layer allocates its own
         if plan.is_anchor(layer):
@@ -188,7 +199,7 @@ class KascadeRuntime:
             anchor = plan.anchor_of(layer)
             if anchor not in st.selections:
                 raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
-            sel = self._remap(st.selections[anchor], layer)
+            sel = self._remap(st.selections[anchor], layer, plan)
         if self.account:
             self._count(layer, sel, L, st)
         return self._sparse(q, k, v, sel, scale, st)
@@ -230,12 +241,33 @@ class KascadeRuntime:
             return prefill.sparse_prefill(q, k, v, sel, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset)
         return ops.sparse_attention(q, k, v, sel, **self._kw(scale, st))
 
-    def _remap(self, sel: Selection, layer: int) -> Selection:
-        """The anchor's selection through this layer's head map (a device tensor cached per layer; identity maps
-        reuse the anchor's indices as they are)."""
-        key = (layer, sel.indices.device)
+    def _attend_ranked(self, plan, layer, q, k, v, scale, st):
+        """A ranked plan (issue 8's variants, :mod:`kascade.reuse`): anchors keep their ranking, deep enough for
+        the layers they serve; reuse layers build standard Selections from it."""
+        kw = self._kw(scale, st)
+        L = q.shape[2]
+        if plan.is_anchor(layer):
+            sel = reuse.ranked_select(q, k, budget=self.budget, depth=plan.rank_depth(layer),
+                                      own=plan.scale_of(layer), **kw)
+            st.selections[layer] = sel
+            if layer == 0:
+                if self.account:
+                    self._count(layer, None, L, st)
+                return ops.dense_attention(q, k, v, **kw)
+        else:
+            sel = reuse.reuse_selection(plan, layer, st.selections, budget=self.budget, kv_start=st.kv_start,
+                                        q_offset=st.q_offset, L=L)
+        if self.account:
+            self._count(layer, sel, L, st)
+        return ops.sparse_attention(q, k, v, sel, **kw)
+
+    def _remap(self, sel: Selection, layer: int, plan: KascadePlan | None = None) -> Selection:
+        """The anchor's selection through this layer's head map (a device tensor cached per layer and plan;
+        identity maps reuse the anchor's indices as they are)."""
+        plan = plan or self.plan
+        key = (id(plan), layer, sel.indices.device)
         if key not in self._head_maps:
-            row = self.plan.head_map[layer]
+            row = plan.head_map[layer]
             self._head_maps[key] = None if list(row) == list(range(len(row))) else \
                 torch.tensor(row, dtype=torch.long).to(sel.indices.device)
         hm = self._head_maps[key]

@@ -1,0 +1,267 @@
+"""Plans for issue 8's variants of Kascade, from calibration statistics (and, for the search, measured fidelity).
+
+Each builder keeps the faithful plan's anchor count and budget; the variant changes only *how reuse layers build
+their index sets* (see :mod:`kascade.reuse`) or *which anchors* (search, length-aware). Methods:
+
+- ``faithful``:     the DP's anchors and the argmax head map (:func:`kascade.calibrate.plan_from_stats`).
+- ``any-anchor``:   a reuse head follows the best (anchor, head) among *all* anchors at or below it, by the
+                    calibrated similarity ``S[a, b, hb, ha]``, not only the nearest anchor.
+- ``union2``:       the union of its two best (anchor, head) sources, merged rank by rank at the same budget.
+- ``sinks``:        its anchor head's ranking for half the budget, the first 4 keys plus the most recent ones for
+                    the other half.
+- ``layer-budget``: per-layer budgets: a reuse layer gets ``1 + alpha (d_b / mean d - 1)`` times the row budget
+                    (clipped to [0.5, 2], renormalised so the mean over layers 1..L-1 stays 1), with
+                    ``d_b = imp(b) (1 - sim_b)`` its importance-weighted dissimilarity to its source; anchors keep 1.
+- ``length``:       one sub-plan per calibration length (``by_length``), chosen from N at run time.
+- ``search``:       anchors chosen by measured teacher-forced KL on development windows (coordinate search from
+                    the DP's set: move one anchor at a time), any reuse rule above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..plan import KascadePlan, ModelFingerprint
+from . import layer_weights, plan_from_stats
+from .dp import choose_anchors
+from .stats import CalibrationStats
+
+RULES = ("faithful", "any-anchor", "union2", "sinks", "layer-budget")
+METHODS = (*RULES, "length", "search")
+SINKS, RECENT = 4, 0.5
+ALPHA, SCALE_RANGE = 1.0, (0.5, 2.0)
+
+
+def _fp(model_or_fp) -> ModelFingerprint:
+    return model_or_fp if isinstance(model_or_fp, ModelFingerprint) else ModelFingerprint.from_model(model_or_fp)
+
+
+def ranked_sources(stats: CalibrationStats, anchors, count: int = 1, nearest_only: bool = False):
+    """``sources`` for a plan: per reuse layer and KV head the ``count`` best (anchor, anchor head) pairs by
+    ``S[a, b, hb, ha]`` among anchors ``a < b`` (only the nearest one if ``nearest_only``)."""
+    L, H = stats.similarity.shape[0], stats.similarity.shape[-1]
+    anchors = sorted(anchors)
+    rows = []
+    for b in range(L):
+        if b in anchors:
+            rows.append(tuple(((b, h),) for h in range(H)))
+            continue
+        cands = [max(a for a in anchors if a < b)] if nearest_only else [a for a in anchors if a < b]
+        row = []
+        for hb in range(H):
+            scored = sorted(((float(stats.similarity[a, b, hb, ha]), -a, ha) for a in cands for ha in range(H)),
+                            reverse=True)  # ties: the later anchor
+            row.append(tuple((-na, ha) for _, na, ha in scored[:count]))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def layer_scales(stats: CalibrationStats, plan: KascadePlan, alpha: float = ALPHA,
+                 clip: tuple[float, float] = SCALE_RANGE) -> tuple[float, ...]:
+    """Per-layer budget multipliers for ``plan``'s anchors and sources (see the module docstring)."""
+    L = plan.num_layers
+    reuse = [b for b in range(L) if not plan.is_anchor(b)]
+    if not reuse:
+        return (1.0,) * L
+    d = {}
+    for b in reuse:
+        sim = sum(float(stats.similarity[p[0][0], b, hb, p[0][1]]) for hb, p in enumerate(plan.sources_of(b)))
+        d[b] = float(stats.importance[b]) * max(0.0, 1.0 - sim / len(plan.sources_of(b)))
+    mean = sum(d.values()) / len(d)
+    raw = {b: 1.0 + alpha * (d[b] / mean - 1.0) if mean > 0 else 1.0 for b in reuse}
+    lo, hi = clip
+    # Renormalise so the reuse layers' mean stays 1 (anchors keep 1): a few rounds of clip-and-rescale.
+    s = dict(raw)
+    for _ in range(50):
+        s = {b: min(hi, max(lo, x)) for b, x in s.items()}
+        tot = sum(s.values())
+        if abs(tot - len(reuse)) < 1e-9:
+            break
+        free = [b for b in reuse if lo < s[b] < hi] or reuse
+        adj = (len(reuse) - tot) / len(free)
+        s = {b: x + adj if b in free else x for b, x in s.items()}
+    return tuple(1.0 if plan.is_anchor(b) else round(s[b], 4) for b in range(L))
+
+
+def plan_for_rule(model_or_fp, stats: CalibrationStats, anchors, rule: str = "faithful", *, alpha: float = ALPHA,
+                  budget: dict | None = None, source: str = "") -> KascadePlan:
+    """The plan of a reuse ``rule`` (one of :data:`RULES`, or several joined by ``+``, e.g.
+    ``any-anchor+layer-budget``) for a given anchor set."""
+    fp = _fp(model_or_fp)
+    parts = rule.split("+")
+    bad = [p for p in parts if p not in RULES]
+    if bad:
+        raise ValueError(f"unknown reuse rule(s) {bad}; choose from {', '.join(RULES)} (join several with '+')")
+    if "any-anchor" in parts and "union2" in parts:
+        raise ValueError("any-anchor and union2 both choose the sources: use one of them")
+    anchors = tuple(sorted(anchors))
+    plan_anchor = [max(a for a in anchors if a <= b) for b in range(fp.num_layers)]
+    hm = tuple(stats.head_map(plan_anchor[b], b) for b in range(fp.num_layers))
+    b = {**dict(ratio=0.10, k_min=128, tile=32, rolling=True), **(budget or {})}
+    plan = KascadePlan(fp, anchors, hm, calibrated=True, source=source or f"calibrated ({rule}): anchors "
+                       f"{list(anchors)}, {stats.windows} windows of {stats.seq_len} tokens", **b)
+    changes = {}
+    if "any-anchor" in parts:
+        changes["sources"] = ranked_sources(stats, anchors, 1)
+    if "union2" in parts:
+        changes["sources"] = ranked_sources(stats, anchors, 2)
+    if "sinks" in parts:
+        changes.update(sinks=SINKS, recent=RECENT)
+    if changes:
+        plan = dataclasses.replace(plan, **changes)
+    if "layer-budget" in parts:
+        plan = dataclasses.replace(plan, layer_scale=layer_scales(stats, plan, alpha))
+    return plan
+
+
+def dp_anchors(stats: CalibrationStats, num_anchors: int) -> tuple[int, ...]:
+    return choose_anchors(layer_weights(stats), num_anchors)[0]
+
+
+def length_plan(model_or_fp, stats_by_length: dict[int, CalibrationStats], num_anchors: int, rule: str = "faithful",
+                anchors_by_length: dict[int, tuple[int, ...]] | None = None, **kw) -> KascadePlan:
+    """A length-aware plan: one sub-plan per calibration length (its own DP anchors, or ``anchors_by_length``),
+    switching at the geometric mean of neighbouring lengths; the longest length's plan is the top level."""
+    lengths = sorted(stats_by_length)
+    if not lengths:
+        raise ValueError("length_plan needs statistics for at least one length")
+    plans = []
+    for n in lengths:
+        st = stats_by_length[n]
+        anchors = (anchors_by_length or {}).get(n) or dp_anchors(st, num_anchors)
+        plans.append(plan_for_rule(model_or_fp, st, anchors, rule, **kw))
+    bounds = [int(math.sqrt(a * b)) for a, b in zip(lengths, lengths[1:])]
+    top = plans[-1]
+    src = "length-aware: " + "; ".join(f"N <= {m}: {list(p.anchors)}" for m, p in zip(bounds, plans)) + \
+          f"; longer: {list(top.anchors)} ({rule}, calibrated at {lengths} tokens)"
+    return dataclasses.replace(top, by_length=tuple(zip(bounds, plans[:-1])), source=src)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fidelity-driven search
+# ----------------------------------------------------------------------------------------------------------------
+class DevScorer:
+    """Teacher-forced KL / agreement of plans against dense on fixed development windows (dense logits cached)."""
+
+    def __init__(self, model, windows: list[torch.Tensor], backend: str = "reference"):
+        from ..eval.fidelity import scored_logits
+
+        if not windows:
+            raise ValueError("DevScorer needs at least one window")
+        self.model, self.backend = model, backend
+        self.dev = next(model.parameters()).device
+        self.ids = [w[None].to(self.dev) for w in windows]
+        with torch.no_grad():
+            self.dense = [scored_logits(model, ids)[0] for ids in self.ids]
+        self.evals = 0
+
+    @torch.no_grad()
+    def __call__(self, plan: KascadePlan) -> dict:
+        from ..eval.fidelity import scored_logits
+        from ..eval.metrics import fidelity
+        from ..integration.hf import enable
+
+        agree = kl = pos = 0.0
+        for ids, d in zip(self.ids, self.dense):
+            with enable(self.model, plan, backend=self.backend, warn_uncalibrated=False):
+                s = scored_logits(self.model, ids)[0]
+            f = fidelity(d, s)
+            agree += f.top1_agreement * f.positions
+            kl += f.kl * f.positions
+            pos += f.positions
+        self.evals += 1
+        return dict(agreement=agree / pos, kl=kl / pos)
+
+
+def search_anchors(build, scorer, start, num_layers: int, *, max_evals: int = 40, moves=(-2, -1, 1, 2),
+                   progress: bool = True, log=None):
+    """Coordinate search over anchor sets, scored by measured KL (``scorer(build(anchors))['kl']``).
+
+    ``build(anchors) -> KascadePlan``. From ``start`` (the DP's set), repeatedly try moving one anchor (not layer 0)
+    by each of ``moves`` (keeping anchors distinct and in range), take the best improvement of a sweep, and stop
+    when a sweep improves nothing or ``max_evals`` plans have been scored. Returns ``(best anchors, best score,
+    history [(anchors, score)])``.
+    """
+    cache = {}
+
+    def score(anchors):
+        if anchors not in cache:
+            cache[anchors] = scorer(build(anchors))
+            if log:
+                log(f"    search: {list(anchors)} KL {cache[anchors]['kl']:.4f} agree "
+                    f"{cache[anchors]['agreement']:.4f}")
+        return cache[anchors]
+
+    best = tuple(sorted(start))
+    best_s = score(best)
+    bar = tqdm(total=max_evals, desc="anchor search", unit="plan", disable=not progress)
+    improved = True
+    while improved and len(cache) < max_evals:
+        improved = False
+        sweep_best, sweep_s = best, best_s
+        for i in range(1, len(best)):
+            for m in moves:
+                a = best[i] + m
+                if not 0 < a < num_layers or a in best:
+                    continue
+                cand = tuple(sorted(best[:i] + (a,) + best[i + 1 :]))
+                if cand in cache:
+                    s = cache[cand]
+                else:
+                    if len(cache) >= max_evals:
+                        break
+                    s = score(cand)
+                    bar.update(1)
+                if s["kl"] < sweep_s["kl"]:
+                    sweep_best, sweep_s = cand, s
+        if sweep_s["kl"] < best_s["kl"]:
+            best, best_s, improved = sweep_best, sweep_s, True
+    bar.close()
+    return best, best_s, [(list(a), s) for a, s in cache.items()]
+
+
+def searched_plan(model, stats: CalibrationStats, windows, num_anchors: int, rule: str = "faithful", *,
+                  max_evals: int = 40, progress: bool = True, log=None, **kw) -> tuple[KascadePlan, list]:
+    """Anchors by :func:`search_anchors` from the DP's set, reuse ``rule``, scored on ``windows`` (development)."""
+    fp = _fp(model)
+    scorer = DevScorer(model, windows)
+    t0 = time.perf_counter()
+    best, s, hist = search_anchors(lambda a: plan_for_rule(fp, stats, a, rule, **kw), scorer,
+                                   dp_anchors(stats, num_anchors), fp.num_layers, max_evals=max_evals,
+                                   progress=progress, log=log)
+    plan = plan_for_rule(fp, stats, best, rule, source=(
+        f"calibrated + searched ({rule}): anchors {list(best)} by measured KL {s['kl']:.4f} on {len(windows)} dev "
+        f"windows of {windows[0].numel()} tokens ({len(hist)} plans in {time.perf_counter() - t0:.0f} s), from the "
+        f"DP over {stats.windows} windows of {stats.seq_len} tokens"), **kw)
+    return plan, hist
+
+
+def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationStats], num_anchors: int, *,
+                     rule: str | None = None, search_windows: dict[int, list] | None = None, max_evals: int = 40,
+                     budget: dict | None = None, progress: bool = True, log=None) -> KascadePlan:
+    """One plan for ``kascade calibrate --method``: a reuse rule (``faithful``, ``any-anchor``, ... or several
+    joined by ``+``) on the longest length's statistics, ``length`` (sub-plans per length with ``rule``), or
+    ``search`` (measured search on ``search_windows``, per length when several lengths are given)."""
+    fp = _fp(model)
+    lengths = sorted(stats_by_length)
+    kw = dict(budget=budget)
+    if method == "length":
+        return length_plan(fp, stats_by_length, num_anchors, rule or "faithful", **kw)
+    if method == "search":
+        if not search_windows:
+            raise ValueError("method 'search' needs development windows to score plans on")
+        plans = {}
+        for n in lengths:
+            plans[n], _ = searched_plan(model, stats_by_length[n], search_windows[n], num_anchors, rule or "faithful",
+                                        max_evals=max_evals, progress=progress, log=log, **kw)
+        if len(lengths) == 1:
+            return plans[lengths[0]]
+        return length_plan(fp, stats_by_length, num_anchors, rule or "faithful",
+                           anchors_by_length={n: p.anchors for n, p in plans.items()}, **kw)
+    return plan_for_rule(fp, stats_by_length[lengths[-1]], dp_anchors(stats_by_length[lengths[-1]], num_anchors),
+                         method if rule is None else rule, **kw)
