@@ -54,7 +54,10 @@ def _eval(args) -> int:
     plan = KascadePlan.load(args.plan) if args.plan else None
     budget = {k: v for k, v in dict(ratio=args.ratio, k_min=args.k_min).items() if v is not None}
     tasks = [] if args.longbench and args.tasks is None else (args.tasks or ["fidelity", "niah_single_number"])
-    rows = runner.run(model, tok, strategies=args.strategies, tasks=tasks, lengths=args.lengths,
+    from .eval.strategies import available
+
+    strategies = args.strategies or list(available(model))
+    rows = runner.run(model, tok, strategies=strategies, tasks=tasks, lengths=args.lengths,
                       samples=args.samples, seed=args.seed, plan=plan, budget=budget or None,
                       longbench_file=args.longbench, longbench_limit=args.longbench_limit,
                       omnikv_layer=args.omnikv_layer)
@@ -184,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
         "score = agreement) and RULER-style generated tasks (needle in a haystack: single number / word, "
         "multikey, multivalue, multiquery; variable tracking; common and frequent words extraction; score = "
         "RULER string match), plus LongBench-format files (--longbench). Strategies: dense; oracle (every layer "
-        "selects its own top-k); kascade (the calibrated plan); kascade-no-headmap; kascade-shared (one index set "
+        "selects its own top-k); kascade (the calibrated plan); kascade-faithful (the paper's method as shipped for the "
+        "model); kascade-no-headmap; kascade-shared (one index set "
         "for all heads); streamingllm (4 sinks + recent window); quest (16-key pages by query-aware min/max "
         "bounds); omnikv (one selection layer reused by all later layers). The attended fraction of keys is "
         "measured from the selections made. Writes results.json, results.csv (per sample), summary.md and "
         "scores.png into --out.",
     )
-    e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=list(STRATEGIES),
-                   help=f"comma-separated strategies, or 'all' (default: all); from: {', '.join(STRATEGIES)}")
+    e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=None,
+                   help=f"comma-separated strategies, or 'all' (default: every one that runs on the model: "
+                   f"kascade-faithful needs a shipped plan); from: {', '.join(STRATEGIES)}")
     e.add_argument("--tasks", type=_csv("task", TASKS), default=None,
                    help="comma-separated tasks, or 'all' (default: fidelity,niah_single_number; none with --longbench); "
                    f"from: {', '.join(TASKS)}")

@@ -314,13 +314,39 @@ FORMATS = ("kascade-plan/1", "kascade-plan/2")
 _V2_FIELDS = frozenset({"sources", "layer_scale", "sinks", "recent", "by_length"})
 
 
-def shipped_plans() -> list[KascadePlan]:
-    """The calibrated plans that ship inside the package (``kascade/plans/*.json``)."""
+# Shipped plans: ``plans/<model>.json`` is the default; ``plans/<variant>/<model>.json`` are the alternatives a user
+# can name (``enable(model, plan="faithful")``).
+SHIPPED_VARIANTS = {
+    "default": "the library's default: calibrated, anchors chosen by measured fidelity (faithful reuse rule: the "
+               "Triton fast path serves it)",
+    "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
+    "layer-budget": "searched anchors + per-layer budgets (ranked reuse; the most accurate, but its selection runs "
+                    "on the PyTorch reference: no ranked Triton selection yet)",
+}
+
+
+def shipped_plans(variant: str = "default") -> list[KascadePlan]:
+    """The calibrated plans that ship inside the package for ``variant`` (see :data:`SHIPPED_VARIANTS`)."""
+    if variant not in SHIPPED_VARIANTS:
+        raise ValueError(f"unknown shipped plan variant {variant!r}; choose from {', '.join(SHIPPED_VARIANTS)}")
     folder = resources.files("kascade") / "plans"
+    if variant != "default":
+        folder = folder / variant
     if not folder.is_dir():
         return []
     return [KascadePlan.from_json(f.read_text()) for f in sorted(folder.iterdir(), key=lambda f: f.name)
             if f.name.endswith(".json")]
+
+
+def shipped_plan(model, variant: str = "default") -> KascadePlan:
+    """The shipped ``variant`` plan for ``model``'s shape; ValueError (listing what exists) if there is none."""
+    fp = ModelFingerprint.from_model(model)
+    for plan in shipped_plans(variant):
+        if plan.fingerprint == fp:
+            return plan
+    have = [v for v in SHIPPED_VARIANTS if any(p.fingerprint == fp for p in shipped_plans(v))]
+    raise ValueError(f"no shipped {variant!r} plan for this model ({fp}); shipped for it: {have or 'none'} "
+                     "(make one with `kascade calibrate`)")
 
 
 def default_plan(model, num_anchors: int = 6) -> KascadePlan:

@@ -7,7 +7,11 @@ from kascade.budget import Budget
 from kascade.eval.strategies import STRATEGIES, make_strategy, quest_select, streaming_select
 
 
-@pytest.mark.parametrize("name", [s for s in STRATEGIES if s != "dense"])
+# kascade-faithful needs a shipped plan: test_shipped_variants_serve_the_default_model
+TINY = [s for s in STRATEGIES if s not in ("dense", "kascade-faithful")]
+
+
+@pytest.mark.parametrize("name", TINY)
 def test_every_strategy_at_full_budget_equals_dense(name):
     model = tiny_model("llama", num_key_value_heads=3)
     ids = torch.randint(3, 97, (1, 128), generator=torch.Generator().manual_seed(0))
@@ -23,7 +27,7 @@ def test_every_strategy_at_full_budget_equals_dense(name):
 def test_small_budget_strategies_attend_about_the_budget():
     model = tiny_model("llama", num_key_value_heads=3)
     ids = torch.randint(3, 97, (1, 400), generator=torch.Generator().manual_seed(0))
-    for name in [s for s in STRATEGIES if s != "dense"]:
+    for name in TINY:
         plan, selector = make_strategy(name, model, budget=dict(ratio=0.1, k_min=16, tile=16))
         with torch.no_grad(), kascade.enable(model, plan, selector=selector, account=True,
                                              warn_uncalibrated=False) as h:
@@ -70,3 +74,32 @@ def test_quest_picks_the_page_with_the_largest_bound():
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown strategy"):
         make_strategy("magic", tiny_model("llama"))
+
+
+def test_shipped_variants_serve_the_default_model(default_model):
+    from kascade.eval.strategies import available
+    from kascade.plan import SHIPPED_VARIANTS, shipped_plan
+
+    model, _ = default_model
+    plans = {v: shipped_plan(model, v) for v in SHIPPED_VARIANTS}
+    assert plans["default"] == kascade.default_plan(model)
+    assert plans["faithful"].anchors != plans["default"].anchors  # the search moved an anchor
+    assert not plans["faithful"].ranked and not plans["default"].ranked and plans["layer-budget"].ranked
+    assert all(len(p.anchors) == 6 for p in plans.values())
+    assert "kascade-faithful" in available(model)
+    assert "kascade-faithful" not in available(tiny_model("llama"))
+    plan, _ = make_strategy("kascade-faithful", model)
+    assert plan == plans["faithful"]
+    ids = torch.randint(3, 1000, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with kascade.enable(model, "faithful") as h:
+            a = model(ids).logits
+        assert h.runtime.plan == plans["faithful"]
+        with kascade.enable(model) as h:
+            b = model(ids).logits
+        assert h.runtime.plan == plans["default"]
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="unknown shipped plan variant"):
+        kascade.enable(model, "fastest")
+    with pytest.raises(ValueError, match="no shipped 'faithful' plan"):
+        make_strategy("kascade-faithful", tiny_model("llama"))

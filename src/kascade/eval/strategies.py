@@ -8,6 +8,8 @@ attention op, so they differ only in *which* keys they attend.
 - dense:               no sparsity.
 - oracle:              every layer selects its own top-k (exact pooled probabilities).
 - kascade:             the calibrated plan (shipped for the model, or given).
+- kascade-faithful:    the paper's method as shipped for the model (the similarity DP's anchors and head map;
+                       ``kascade.plan.SHIPPED_VARIANTS``); an error for a model without a shipped faithful plan.
 - kascade-no-headmap:  the same anchors, identity head map.
 - kascade-shared:      the same anchors, one index set per layer pooled over all heads (the paper's ablation).
 - streamingllm:        attention sinks (first 4 keys) plus the most recent keys, same count as the budget.
@@ -35,10 +37,10 @@ import torch
 from .. import ops
 from ..budget import Budget
 from ..ops.selection import Selection
-from ..plan import KascadePlan, ModelFingerprint, default_plan
+from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
 
-STRATEGIES = ("dense", "oracle", "kascade", "kascade-no-headmap", "kascade-shared", "streamingllm", "quest",
-              "omnikv")
+STRATEGIES = ("dense", "oracle", "kascade", "kascade-faithful", "kascade-no-headmap", "kascade-shared",
+              "streamingllm", "quest", "omnikv")
 VARIANTS = ("kascade-length", "kascade-search", "kascade-layer-budget", "kascade-any-anchor", "kascade-union2",
             "kascade-sinks", "kascade-best")
 SINKS = 4
@@ -176,6 +178,15 @@ def _variant(name, fp, base, b, stats, variant_plans):
     return cv.plan_for_rule(fp, stats[max(stats)], base.anchors, rule, budget=b), None
 
 
+def available(model) -> tuple[str, ...]:
+    """The :data:`STRATEGIES` that can run on ``model`` without extra inputs (kascade-faithful needs a shipped plan)."""
+    from ..plan import shipped_plans
+
+    fp = ModelFingerprint.from_model(model)
+    has_faithful = any(p.fingerprint == fp for p in shipped_plans("faithful"))
+    return tuple(s for s in STRATEGIES if s != "kascade-faithful" or has_faithful)
+
+
 def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_layer: int = 2,
                   budget: dict | None = None, stats=None, variant_plans: dict | None = None):
     """``(plan, selector)`` for a strategy name, or ``None`` for dense. ``plan`` is the calibrated plan (default:
@@ -198,6 +209,9 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
         return KascadePlan.all_anchors(fp, **b), ops.select
     if name == "kascade":
         return base, ops.select
+    if name == "kascade-faithful":
+        faithful = shipped_plan(model, "faithful")
+        return (faithful.with_budget(**budget) if budget else faithful), ops.select
     if name == "kascade-no-headmap":
         return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), ops.select
     if name == "kascade-shared":

@@ -19,7 +19,7 @@ import torch
 
 from .. import ops, reuse
 from ..ops import Selection
-from ..plan import KascadePlan, ModelFingerprint, default_plan
+from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
 
 ATTN_NAME = "kascade"
 BACKENDS = ("auto", "reference", "triton")
@@ -379,12 +379,13 @@ def resolve_backend(model, backend: str = "auto") -> str:
     return "triton" if why is None and p.device.type == "cuda" else "reference"
 
 
-def enable(model, plan: KascadePlan | None = None, *, backend: str = "auto", selector=None,
+def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto", selector=None,
            account: bool = False, warn_uncalibrated: bool = True) -> KascadeHandle:
     """Route every attention layer of ``model`` through Kascade with ``plan``.
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
-    uniform plan (with a warning). ``backend``: "auto" (default: the Triton kernels on CUDA when they support the
+    uniform plan (with a warning); a string names a shipped variant (``kascade.plan.SHIPPED_VARIANTS``: "default",
+    "faithful" = the paper's method, "layer-budget"). ``backend``: "auto" (default: the Triton kernels on CUDA when they support the
     model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
     "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
     the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
@@ -393,8 +394,10 @@ def enable(model, plan: KascadePlan | None = None, *, backend: str = "auto", sel
     backend = resolve_backend(model, backend)
     if plan is None:
         plan = default_plan(model)
+    elif isinstance(plan, str):
+        plan = shipped_plan(model, plan)
     if not isinstance(plan, KascadePlan):
-        raise TypeError(f"plan must be a KascadePlan, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a KascadePlan or the name of a shipped variant, got {type(plan).__name__}")
     plan.check_model(model)
     if not plan.calibrated and warn_uncalibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
