@@ -172,11 +172,17 @@ def test_prefill_kernels_match_reference(case):
             assert torch.allclose(lse[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"LSE seq {b} query {i}"
             assert torch.allclose(lse_only[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"QK-only LSE {b} {i}"
 
-    # selection: given the LSE, computing its own, and with a buffer so small that every chunk is one tile
+    # selection: given the LSE, computing its own, with a buffer so small that every chunk is one tile, with
+    # chunks of a few tiles (their budgets differ: the chunk's largest one sizes its top-k), and int32 indices
     want_sel = reference.select(q, k, budget=budget, **pos)
     pooled = _pooled_rows(q, k, kv_start, q_offset, scale, T)
-    for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1})):
+    few = B * H * 3 * (4 * N + 40 * budget.k(N))  # about 3 tiles per chunk
+    for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
+                     ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32})):
         sel = tp.select_prefill(q, kk, budget=budget, **pos, **kw, block_n=16)
+        if what == "int32":
+            assert sel.indices.dtype == torch.int32
+            sel = type(sel)(sel.indices.long(), sel.row_start, sel.tile, sel.decode)
         _check_selection(sel, want_sel, pooled, kv_start, q_offset, L, budget, f"select/{what}")
 
     # sparse over the reference's selection, int64 and int32 indices
