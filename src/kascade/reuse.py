@@ -67,6 +67,24 @@ def row_counts(budget: Budget, scale: float, *, kv_start: torch.Tensor, q_offset
     return out
 
 
+def prefill_counts(budget: Budget, scale: float, *, kv_start: torch.Tensor, q_offset: int, L: int,
+                   rows: int) -> torch.Tensor:
+    """:func:`row_counts` for prefill, vectorised (the Triton path's per-layer prefix lengths): ``[B, rows]``
+    int64 on the host. Rows are the tiles of this call, from each sequence's first tile with a query in it."""
+    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
+    T = budget.tile
+    n = q_offset + L - kv_start  # [B]
+    t_first = (q_offset - kv_start).clamp(min=0) // T
+    s = (t_first[:, None] + torch.arange(rows)[None, :]) * T  # [B, R] tile starts (positions)
+    kn = torch.minimum(n, torch.floor(n.double() * budget.ratio).long().clamp(min=budget.k_min))  # k(N)
+    c = torch.minimum(s, kn[:, None] - T)
+    if budget.rolling:
+        c = torch.minimum(c, torch.floor(s.double() * budget.ratio).long().clamp(min=budget.k_min))
+    c = c.clamp(min=0)
+    cnt = torch.minimum(s, torch.floor(c.double() * scale + 0.5).long())
+    return torch.where(s < n[:, None], cnt, 0)
+
+
 def _take(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The first ``counts[b, r]`` entries of each ranked row ``order [B, H, R, Kr]``, ascending, -1 padded."""
     K = int(counts.max()) if counts.numel() else 0

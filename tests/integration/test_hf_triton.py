@@ -108,3 +108,53 @@ def test_dense_runtime_is_the_dense_model():
             got = GraphDecoder(model, batch_size=1, max_cache_len=48, use_graph=False).generate(ids, 3)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(got, ref)
+
+
+def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatch):
+    """A plan with per-layer budgets (ranked reuse) on the Triton path: anchors keep ranked selections, layers take
+    prefixes of them; prefill, dynamic-cache decode and static-cache decode match the reference's ranked path."""
+    import dataclasses
+
+    from kascade.integration.graphs import GraphDecoder
+    from kascade.reuse import prefill_counts, row_counts
+
+    model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16, num_hidden_layers=5)
+    fp = ModelFingerprint.from_model(model)
+    I = (0, 1, 2)
+    plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=16, tile=16)
+    plan = dataclasses.replace(plan, layer_scale=(1.0, 1.0, 1.6, 1.0, 0.5))
+    assert plan.ranked and plan.rank_depth(1) == 1.6
+    ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    with torch.no_grad():
+        with kascade.enable(model, plan, backend="reference"):
+            ref = model(ids, attention_mask=mask).logits
+            ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        depths = []
+        from kascade.ops.triton import prefill
+
+        orig = prefill.select_prefill
+        monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (depths.append(kw.get("depth")),
+                                                                          orig(*a, **kw))[1])
+        with kascade.enable(model, plan, backend="triton") as h:
+            assert h.runtime.ranked_fast and not h.runtime.custom_selector
+            got = model(ids, attention_mask=mask).logits
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+            static = GraphDecoder(model, batch_size=2, max_cache_len=96, use_graph=False).generate(ids[1:].expand(2, -1), 3)
+        with kascade.enable(model, plan, backend="reference"):
+            ref_static = model.generate(ids[1:].expand(2, -1), max_new_tokens=3, do_sample=False)[:, 90:]
+    # ranking depth per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
+    assert depths[:3] == [1.0, 1.6, 1.0]
+    real = mask.bool()
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(gen, ref_gen) and torch.equal(static, ref_static)
+    # the vectorised prefix lengths are reuse.row_counts' rule
+    for kv_start, q_offset, L in (([0, 7], 0, 90), ([0, 40], 13, 77), ([3, 0], 60, 30)):
+        ks = torch.tensor(kv_start)
+        R = max((q_offset + L - s - 1) // 16 - max(0, q_offset - s) // 16 + 1 for s in kv_start)
+        rs = torch.tensor([max(0, q_offset - s) // 16 for s in kv_start])
+        for scale in (0.5, 1.0, 1.6):
+            want = row_counts(plan.budget, scale, kv_start=ks, q_offset=q_offset, L=L, rows=R, row_start=rs,
+                              decode=False)
+            assert prefill_counts(plan.budget, scale, kv_start=ks, q_offset=q_offset, L=L, rows=R).tolist() == want

@@ -128,10 +128,14 @@ class KascadeRuntime:
         self.plan = plan
         self.budget = plan.budget
         self.backend = backend
-        # Issue 8's variant plans (ranked reuse, length-aware sub-plans) need host geometry each forward: they take
-        # the validated public ops (Triton kernels still run under them with backend="triton").
+        # Plans with per-layer budgets only (layer_scale: anchors rank their keys, reuse layers take a prefix)
+        # run on the Triton kernels directly (ranked selections). Other variant plans (sources, sinks + recent,
+        # length-aware sub-plans) need host geometry each forward: they take the validated public ops (Triton
+        # kernels still run under them with backend="triton").
+        self.ranked_fast = (backend == "triton" and selector is None and plan.ranked and plan.sources is None
+                            and plan.recent == 0 and not plan.by_length)
         self.custom_selector = (selector is not None and selector is not ops.select) or \
-            any(p.ranked for p in variants) or bool(plan.by_length)
+            (any(p.ranked for p in variants) and not self.ranked_fast) or bool(plan.by_length)
         self.selector = selector or ops.select
         self.account = account
         self.attended: dict[int, list[int]] = {}
@@ -142,7 +146,7 @@ class KascadeRuntime:
         # and 8 KV heads, 1.7 GB in int32): after layer l, keep only the anchors that layers > l follow. (Variant
         # plans, whose reuse layers may read any earlier anchor or switch sub-plans by length, keep them all.)
         self._last_use = None
-        if not plan.by_length and not plan.ranked:
+        if not plan.by_length and plan.sources is None:
             n = plan.num_layers
             self._last_use = {a: max(l for l in range(n) if plan.anchor_of(l) == a) for a in plan.anchors}
         self.keep_selections = False  # True: keep every anchor's selection of the last forward (inspection, tests)
@@ -181,11 +185,13 @@ class KascadeRuntime:
         if st is None:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
         plan = self.plan.for_length(k.shape[2] - int(st.kv_start.min())) if self.plan.by_length else self.plan
-        if plan.ranked:
+        if plan.ranked and not self.ranked_fast:
             return self._attend_ranked(plan, layer, q, k, v, scale, st)
         if self._last_use is not None and not self.keep_selections:
             for a in [a for a in st.selections if self._last_use[a] < layer]:
                 del st.selections[a]  # before this layer allocates its own
+        if self.ranked_fast:
+            return self._attend_ranked_fast(plan, layer, q, k, v, scale, st)
         if plan.is_anchor(layer):
             if layer == 0:
                 out, sel = self._first(q, k, v, scale, st)
@@ -260,6 +266,53 @@ class KascadeRuntime:
         if self.account:
             self._count(layer, sel, L, st)
         return ops.sparse_attention(q, k, v, sel, **kw)
+
+    def _attend_ranked_fast(self, plan, layer, q, k, v, scale, st):
+        """A per-layer-budget plan on the Triton kernels: anchors keep a ranked selection (descending pooled
+        probability, as deep as the largest budget they serve); every layer attends a prefix of its anchor's
+        ranking, ``round(scale * c)`` keys per row (:func:`kascade.reuse.row_counts`' rule), masked in place (no
+        sort: the sparse kernels need only the -1 padding at the end of each row)."""
+        decode, prefill = self._kernels
+        L = q.shape[2]
+        if plan.is_anchor(layer):
+            depth = plan.rank_depth(layer)
+            if st.meta is not None:
+                kw = dict(budget=self.budget, scale=scale, meta=st.meta, depth=depth)
+                out, order = decode.dense_select_decode(q, k, v, **kw) if layer == 0 else \
+                    (None, decode.select_decode(q, k, **kw))
+            else:
+                kw = dict(budget=self.budget, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset,
+                          index_dtype=torch.int32, depth=depth)
+                out, order = prefill.dense_select_prefill(q, k, v, **kw) if layer == 0 else \
+                    (None, prefill.select_prefill(q, k, **kw))
+            st.selections[layer] = order
+            if layer == 0:
+                if self.account:
+                    self._count(layer, None, L, st)
+                return out
+            sel = self._prefix(order, plan.scale_of(layer), st, L)
+        else:
+            sel = self._prefix(st.selections[plan.anchor_of(layer)], plan.scale_of(layer), st, L)
+            sel = self._remap(sel, layer, plan)
+        if self.account:
+            self._count(layer, sel, L, st)
+        return self._sparse(q, k, v, sel, scale, st)
+
+    def _prefix(self, order: Selection, scale: float, st, L: int) -> Selection:
+        """The first ``round(scale * c)`` keys of each ranked row (``c`` the row's faithful budget, capped by its
+        candidates), the rest -1."""
+        idx = order.indices
+        if st.meta is not None:  # decode: counts from the step's device metadata (graph-capturable)
+            n, kb = st.meta.tensor[:, 1].long(), st.meta.tensor[:, 2].long()
+            cnt = torch.minimum(n, torch.floor(kb.double() * scale + 0.5).long())[:, None]  # [B, 1]
+            K = min(idx.shape[-1], int(scale * st.meta.k_max + 0.5) + 1)
+        else:
+            cnt = reuse.prefill_counts(self.budget, scale, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
+                                       rows=idx.shape[2])  # [B, R] on the host
+            K = min(idx.shape[-1], int(cnt.max()) if cnt.numel() else 0)
+            cnt = cnt.to(idx.device)
+        keep = torch.arange(K, device=idx.device) < cnt[:, None, :, None]
+        return Selection(torch.where(keep, idx[..., :K], -1), order.row_start, order.tile, order.decode)
 
     def _remap(self, sel: Selection, layer: int, plan: KascadePlan | None = None) -> Selection:
         """The anchor's selection through this layer's head map (a device tensor cached per layer and plan;

@@ -22,6 +22,7 @@ log-sum-exp in fp32. The error is then that of rounding an exact result to the o
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -517,11 +518,15 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     return out
 
 
-def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=None):
-    """Pooling and top-k over the scores the split kernel wrote. Returns a decode :class:`Selection`."""
+def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=None, depth=None):
+    """Pooling and top-k over the scores the split kernel wrote. Returns a decode :class:`Selection`; with
+    ``depth`` a *ranked* one (see :func:`select_decode`)."""
     dev = Sc.device
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
+    if depth is not None:
+        method = "topk"
+        KMAX = min(meta.n_max, math.floor(depth * KMAX + 0.5))
     ch = ch or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     C = triton.cdiv(meta.n_max, ch)
     rows = B * H
@@ -543,9 +548,13 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
         assert method == "topk", method
         top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
         kb = meta.tensor[:, 2].long()  # on the device: no host copy, so this path can be captured in a graph
+        if depth is not None:  # ranked: round(depth * k_b) keys, capped by n_b (reuse.row_counts' rule)
+            kb = torch.minimum(meta.tensor[:, 1].long(), torch.floor(kb.double() * depth + 0.5).long())
         keep = torch.arange(KMAX, device=dev)[None, :] < kb[:, None]  # [B, KMAX]
         big = torch.iinfo(torch.long).max
-        top = torch.where(keep[:, None, :], top, big).sort(-1).values
+        top = torch.where(keep[:, None, :], top, big)
+        if depth is None:
+            top = top.sort(-1).values
         base = meta.tensor[:, 0].long()[:, None, None]
         indices = torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :]
     return Selection(indices=indices, row_start=torch.zeros(B, dtype=torch.long, device=dev), tile=budget.tile,
@@ -553,26 +562,32 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
 
 
 def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", chunk=None, **cfg) -> Selection:
+                  meta=None, method="radix", chunk=None, depth=None, **cfg) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
-    the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores)."""
+    the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores).
+
+    ``depth`` (a float): a *ranked* selection instead, for plans whose reuse layers take different budgets
+    (:mod:`kascade.reuse`): the top ``round(depth * k_b)`` keys (capped by ``n_b``) in descending pooled
+    probability, not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end);
+    selected with torch.topk."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
     _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
                                         sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
-    return _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk)
+    return _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth)
 
 
 def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
-                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, **cfg):
-    """Layer 0: the dense output and the selection from one pass over K and V. ``-> (out, Selection)``."""
+                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, depth=None, **cfg):
+    """Layer 0: the dense output and the selection (ranked with ``depth``, see :func:`select_decode`) from one pass
+    over K and V. ``-> (out, Selection)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     out, Mx, Ls, Sc, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale, n_keys=meta.n_max,
                                           sparse=False, has_v=True, write_scores=True, sc_row=meta.n_max, **cfg)
-    return out, _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk)
+    return out, _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,

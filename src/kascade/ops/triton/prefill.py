@@ -25,6 +25,8 @@ the value dtype, as in every flash-attention forward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -368,12 +370,16 @@ def prefill_rows(kv_start: list[int], q_offset: int, L: int, T: int) -> tuple[li
 
 
 def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, lse=None,
-                   max_chunk_bytes=64 << 20, index_dtype=torch.long, block_n=None, num_warps=None, num_stages=None,
-                   _scores_only=False, **lse_cfg) -> Selection:
+                   max_chunk_bytes=64 << 20, index_dtype=torch.long, depth=None, block_n=None, num_warps=None,
+                   num_stages=None, _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (int64 like
     the reference, or int32: half the memory, which the sparse kernel reads as well).
+
+    ``depth`` (a float): a *ranked* selection instead, for plans whose reuse layers take different budgets
+    (:mod:`kascade.reuse`): per row the top ``round(depth * c)`` keys (``c`` the row's budget, capped by its ``s``
+    candidates) in descending pooled probability, not sorted by slot, -1 padded at the end.
 
     Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
     buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
@@ -390,8 +396,11 @@ def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None,
     assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
     n, t_first, count = prefill_rows(host_start, q_offset, L, T)
     R = max(count)
-    budgets = [[budget.prefill_tile((t_first[b] + r) * T, n[b]) if r < count[b] else 0 for r in range(R)]
-               for b in range(B)]
+    def row_budget(s, nb):
+        c = budget.prefill_tile(s, nb)
+        return c if depth is None else min(s, math.floor(depth * c + 0.5))
+
+    budgets = [[row_budget((t_first[b] + r) * T, n[b]) if r < count[b] else 0 for r in range(R)] for b in range(B)]
     K = max(max(x) for x in budgets)
     rs = torch.tensor(t_first, dtype=torch.int32).to(dev)
     indices = torch.full((B, H, R, K), -1, dtype=index_dtype, device=dev)
@@ -452,7 +461,9 @@ def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None,
             top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
             del buf
             keep = torch.arange(kc, device=dev)[None, None, :] < budgets_t[:, r0:r1, None]  # [B, C, kc]
-            top = torch.where(keep[:, None], top, big).sort(-1).values
+            top = torch.where(keep[:, None], top, big)
+            if depth is None:
+                top = top.sort(-1).values
             indices[:, :, r0:r1, :kc] = torch.where(top == big, -1, top + start_t[:, None, None, None])
             del top, keep
         r0 = r1
@@ -506,11 +517,12 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
 
 
 def dense_select_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20,
-                         index_dtype=torch.long):
-    """Layer 0: the dense output (with its LSE), then the selection. ``-> (out, Selection)``."""
+                         index_dtype=torch.long, depth=None):
+    """Layer 0: the dense output (with its LSE), then the selection (ranked with ``depth``, see
+    :func:`select_prefill`). ``-> (out, Selection)``."""
     out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, return_lse=True)
     sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, lse=lse,
-                         max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype)
+                         max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, depth=depth)
     return out, sel
 
 
