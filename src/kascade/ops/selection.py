@@ -12,9 +12,10 @@ class Selection:
     """Top-k key indices chosen by an anchor layer, one set per (sequence, KV head, row).
 
     indices:   ``[B, H, R, K]`` int64 key slots (absolute, i.e. into the ``N`` axis of the KV cache), ascending,
-               padded with -1 at the end. (The Triton path also makes int32 indices, and, for plans with per-layer
-               budgets, *ranked* rows: descending pooled probability instead of ascending; the Triton sparse
-               kernels need only the -1 padding at the end, the reference ops any order.) In prefill a row is a
+               padded with -1 at the end. (The Triton runtime path also makes int32 indices, for its own kernels,
+               and, for plans with per-layer budgets, *ranked* rows: descending pooled probability instead of
+               ascending; attention does not depend on the order, and the Triton sparse kernels need only the -1
+               padding at the end.) In prefill a row is a
                query tile: row ``r`` of sequence ``b`` is tile
                ``row_start[b] + r``, counted in positions from the sequence's first valid key. In decode there is
                one row, for the single new query.
