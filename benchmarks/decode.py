@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import pathlib
 import sys
 import time

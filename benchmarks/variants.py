@@ -17,7 +17,6 @@ chosen on dev windows, never on eval) into --out. Everything in fp32, same ancho
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import time

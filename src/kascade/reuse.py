@@ -31,7 +31,7 @@ import torch
 
 from .budget import Budget
 from .ops import reference
-from .ops.selection import Selection
+from .ops.selection import Selection, stack_rows
 
 _BIG = torch.iinfo(torch.long).max
 
@@ -132,11 +132,8 @@ def ranked_select(q, k, *, budget: Budget, depth: float = 1.0, own: float = 1.0,
         idx = torch.cat([torch.nn.functional.pad(r, (0, Kr - r.shape[-1]), value=-1) for r in rows], 1)
         per_seq.append(torch.where(idx >= 0, idx + start, -1))
         row_start.append(t_first)
-    R = max(x.shape[1] for x in per_seq)
-    Kr = max(x.shape[2] for x in per_seq)
-    order = torch.full((B, H, R, Kr), -1, dtype=torch.long, device=q.device)
-    for b, x in enumerate(per_seq):
-        order[b, :, : x.shape[1], : x.shape[2]] = x
+    order = stack_rows(per_seq, q.device)
+    R = order.shape[2]
     rs = torch.tensor(row_start, dtype=torch.long, device=q.device)
     counts = torch.tensor(row_counts(budget, own, kv_start=kv_start, q_offset=q_offset, L=L, rows=R, row_start=rs,
                                      decode=decode), dtype=torch.long, device=q.device)

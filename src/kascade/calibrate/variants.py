@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..plan import KascadePlan, ModelFingerprint
-from . import layer_weights, plan_from_stats
+from . import layer_weights
 from .dp import choose_anchors
 from .stats import CalibrationStats
 

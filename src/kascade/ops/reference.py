@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..budget import Budget
-from .selection import Selection
+from .selection import Selection, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
 _CHUNK_ELEMS = 1 << 26
@@ -154,7 +154,6 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
            shared: bool = False) -> Selection:
     """Anchor selection. Arguments as in :func:`kascade.ops.select`."""
     B, HQ, L, D = q.shape
-    H = k.shape[1]
     md = _math_dtype(q.dtype)
     decode = L == 1
     per_seq, row_start = [], []
@@ -167,13 +166,8 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
             idx, t = _select_prefill_one(qb, kb, scale, budget, shared)
         per_seq.append(torch.where(idx >= 0, idx + start, -1))
         row_start.append(t)
-    R = max(x.shape[1] for x in per_seq)
-    K = max(x.shape[2] for x in per_seq)
-    indices = torch.full((B, H, R, K), -1, dtype=torch.long, device=q.device)
-    for b, x in enumerate(per_seq):
-        indices[b, :, : x.shape[1], : x.shape[2]] = x
     return Selection(
-        indices=indices,
+        indices=stack_rows(per_seq, q.device),
         row_start=torch.tensor(row_start, dtype=torch.long, device=q.device),
         tile=budget.tile,
         decode=decode,

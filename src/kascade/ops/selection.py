@@ -50,3 +50,13 @@ class Selection:
     def attended_counts(self) -> torch.Tensor:
         """Number of selected keys per (sequence, head, row): ``[B, H, R]``."""
         return (self.indices >= 0).sum(-1)
+
+
+def stack_rows(per_seq: list[torch.Tensor], device) -> torch.Tensor:
+    """Per-sequence ``[H, R_b, K_b]`` index tensors -> one ``[B, H, max R, max K]`` tensor, -1 padded."""
+    R = max(x.shape[1] for x in per_seq)
+    K = max(x.shape[2] for x in per_seq)
+    out = torch.full((len(per_seq), per_seq[0].shape[0], R, K), -1, dtype=torch.long, device=device)
+    for b, x in enumerate(per_seq):
+        out[b, :, : x.shape[1], : x.shape[2]] = x
+    return out
