@@ -320,8 +320,8 @@ SHIPPED_VARIANTS = {
     "default": "the library's default: calibrated, anchors chosen by measured fidelity (faithful reuse rule: the "
                "Triton fast path serves it)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
-    "layer-budget": "searched anchors + per-layer budgets (ranked reuse; the most accurate; on the Triton path its "
-                    "decode anchors select with torch.topk, slower than the default's radix select)",
+    "layer-budget": "searched anchors + per-layer budgets (ranked reuse; the most accurate; its anchors select up "
+                    "to 2x deeper and rank what they select: slower decode than the default, see docs/variants)",
 }
 
 

@@ -248,3 +248,37 @@ def test_selection_covers_large_rows_and_many_chunks():
                 rel = torch.tensor(sorted(diff)) - int(kv_start[b])
                 kth = pooled[b][0].topk(kb).values[-1]
                 assert (pooled[b][0][rel] - kth).abs().max() <= 1e-4 * kth, f"{method} seq {b}: {len(diff)} differ"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
+    """depth=: the top round(depth * k_b) keys in descending pooled probability (-1 at the end). The radix path
+    (select, then sort only the selected) and the torch.topk path agree, and both match the reference pooling."""
+    B, H, G, N, D = 2, 2, 3, 700, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    k = torch.randn(B, H, N, D, generator=g)
+    kv_start = torch.tensor([0, 250])
+    budget = Budget(ratio=0.1, k_min=16)
+    scale = D**-0.5
+    pooled = _pooled_reference(q, k, kv_start, N - 1, scale)
+    kw = dict(budget=budget, scale=scale, depth=1.7)
+    if paged:
+        kp, bt, lens = _paged(k, kv_start, N - 1, 32, g)
+        kw.update(block_table=bt, seq_lens=lens)
+        kk = kp
+    else:
+        kw.update(kv_start=kv_start, q_offset=N - 1)
+        kk = k
+    got = {m: td.select_decode(q, kk, method=m, **kw).indices for m in ("radix", "topk")}
+    assert torch.equal(got["radix"], got["topk"])
+    for b in range(B):
+        n = N - int(kv_start[b])
+        kr = min(n, int(1.7 * budget.decode(n) + 0.5))
+        for h in range(H):
+            row = got["radix"][b, h, 0]
+            assert bool((row[kr:] == -1).all()) and bool((row[:kr] >= 0).all())
+            rel = row[:kr] - (0 if paged else int(kv_start[b]))
+            p = pooled[b][h][rel]
+            assert bool((p[1:] <= p[:-1] * (1 + 1e-5)).all()), "not in descending probability"
+            assert p[-1] >= pooled[b][h].topk(kr).values[-1] * (1 - 1e-5), "not the top keys"

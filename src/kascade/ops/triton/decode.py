@@ -525,8 +525,13 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
     if depth is not None:
-        method = "topk"
+        # ranked: round(depth * k_b) keys, capped by n_b (reuse.row_counts' rule); the radix select reads its
+        # count from the metadata, so it gets a copy with that count (device ops: graph-capturable)
         KMAX = min(meta.n_max, math.floor(depth * KMAX + 0.5))
+        t = meta.tensor.clone()
+        t[:, 2] = torch.minimum(t[:, 1], torch.floor(t[:, 2].double() * depth + 0.5).to(torch.int32))
+        meta = DecodeMeta(tensor=t, n=meta.n, k=tuple(min(n, math.floor(depth * x + 0.5)) for n, x in
+                                                       zip(meta.n, meta.k)), paged=meta.paged)
     ch = ch or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     C = triton.cdiv(meta.n_max, ch)
     rows = B * H
@@ -544,12 +549,17 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
         indices = torch.empty(B, H, 1, KMAX, dtype=torch.long, device=dev)
         _write_kernel[(C, rows)](Pooled, meta.tensor, State, Cnt, indices, sc_row, C, KMAX, H=H, CH=ch,
                                  C_PAD=triton.next_power_of_2(C), PAGED=meta.paged)
+        if depth is not None:  # rank the selected keys only: a sort of K values, not a top-k over all n
+            base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
+            sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
+            vals = Pooled.view(B, H, sc_row).gather(-1, (sel - base).clamp(min=0))
+            vals = torch.where(sel >= 0, vals, float("-inf"))
+            order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep the earlier key first
+            indices = sel.gather(-1, order)[:, :, None, :]
     else:
         assert method == "topk", method
         top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
         kb = meta.tensor[:, 2].long()  # on the device: no host copy, so this path can be captured in a graph
-        if depth is not None:  # ranked: round(depth * k_b) keys, capped by n_b (reuse.row_counts' rule)
-            kb = torch.minimum(meta.tensor[:, 1].long(), torch.floor(kb.double() * depth + 0.5).long())
         keep = torch.arange(KMAX, device=dev)[None, :] < kb[:, None]  # [B, KMAX]
         big = torch.iinfo(torch.long).max
         top = torch.where(keep[:, None, :], top, big)
@@ -569,8 +579,8 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
 
     ``depth`` (a float): a *ranked* selection instead, for plans whose reuse layers take different budgets
     (:mod:`kascade.reuse`): the top ``round(depth * k_b)`` keys (capped by ``n_b``) in descending pooled
-    probability, not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end);
-    selected with torch.topk."""
+    probability, not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end).
+    With "radix" the keys are selected by the radix select and then only they are sorted by probability."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
