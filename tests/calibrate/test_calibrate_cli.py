@@ -55,7 +55,13 @@ def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
     nofield.write_text('{"text": "a b c"}\n{"body": "x"}\n')
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "only a few words"}\n')
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"text": f"Text {i}: " + "the quick brown fox jumps over it. " * 40}) + "\n"
+                           for i in range(2)))
     cases = [
+        # the search scores plans on other texts than the statistics': with --data, the ones after them
+        (["--data", str(two), "--samples", "2", "--seq-len", "120", "--method", "search", "--search-windows", "1"],
+         "3 are needed (--samples, --holdout and --search-windows)"),
         (["--data", str(empty)], "empty"),
         (["--data", str(nofield), "--samples", "2"], "nofield.jsonl:2: no 'text' field"),
         (["--data", str(short), "--samples", "1", "--seq-len", "200"], "at least 65"),

@@ -37,15 +37,16 @@ def load_texts(path: str | Path, field: str = "text") -> list[str]:
     return texts
 
 
-def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
+                need: str = "--samples plus --holdout") -> list[torch.Tensor]:
     """``count`` token windows of at most ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of
-    each) or from the development split of pydoc_data.topics."""
+    each, after the first ``skip`` texts) or from the development split of pydoc_data.topics (``seed`` picks)."""
     if data is None:
         return text.windows(tok, "dev", seq_len, count, seed=seed)
     texts = load_texts(data, field)
-    if len(texts) < count:
-        raise ValueError(f"{data} holds {len(texts)} texts; {count} are needed (--samples plus --holdout)")
-    return [torch.tensor(tok(t, add_special_tokens=False).input_ids[:seq_len]) for t in texts[:count]]
+    if len(texts) < skip + count:
+        raise ValueError(f"{data} holds {len(texts)} texts; {skip + count} are needed ({need})")
+    return [torch.tensor(tok(t, add_special_tokens=False).input_ids[:seq_len]) for t in texts[skip : skip + count]]
 
 
 def run(args) -> dict:
@@ -123,9 +124,12 @@ def _variant_plan(args, model, tok, fp, stats, num_anchors, budget):
                                                          count=args.samples, seed=args.seed), k=args.k, tile=args.tile)
     search = None
     if args.method == "search":
-        # scored on other development windows than the statistics' (another seed)
-        search = {n: dev_windows(tok, data=None, seq_len=n, count=args.search_windows, seed=args.seed + 11)
-                  for n in lengths}
+        # scored on other development windows than the statistics' (another seed; with --data, the texts after
+        # those of the statistics and the holdout)
+        used = args.samples + (args.holdout if args.target_agreement is not None else 0)
+        search = {n: dev_windows(tok, data=args.data, field=args.text_field, seq_len=n, count=args.search_windows,
+                                 seed=args.seed + 11, skip=used,
+                                 need="--samples, --holdout and --search-windows") for n in lengths}
     return variants.plan_from_method(args.method, model, by_len, num_anchors, rule=args.rule,
                                      search_windows=search, max_evals=args.search_evals, budget=budget, log=print)
 
