@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kascade  # noqa: E402
+from kascade import bench  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint, text  # noqa: E402
 from kascade.eval.fidelity import scored_logits  # noqa: E402
 from kascade.eval.metrics import fidelity  # noqa: E402
@@ -79,20 +80,11 @@ def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
     for name in ("dense", "kascade"):
         handle = kascade.enable(model, plan, backend="triton", warn_uncalibrated=False) if name == "kascade" else None
         try:
-            # eager: prefill once, then time decode steps with the dynamic cache
-            o = model(ids, use_cache=True, logits_to_keep=1)
-            cache, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
-            for _ in range(2):
-                o = model(nxt, past_key_values=cache, use_cache=True)
-                nxt = o.logits[:, -1:].argmax(-1)
-
-            def eager():
-                nonlocal nxt
-                for _ in range(steps):
-                    nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-            out[f"{name}_eager_ms"] = _sync_time(eager) / steps * 1e3
-            del cache, o
+            # eager: prefill once, then time decode steps with the dynamic cache (kascade.bench's helpers)
+            cache, nxt, _, _ = bench.prefill(model, ids, 0)
+            _, nxt = bench.decode(model, cache, nxt, 16)  # warm-up: the kernels specialise on N % 16
+            out[f"{name}_eager_ms"] = bench.decode(model, cache, nxt, steps)[0] * 1e3
+            del cache
             dense_handle = enable_dense(model) if name == "dense" else None
             try:
                 dec = GraphDecoder(model, batch, prompt_len + steps + 8)
@@ -116,18 +108,6 @@ def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
         out["graph_saves_dense"] = out["dense_eager_ms"] / out["dense_graph_ms"]
         out["graph_saves_kascade"] = out["kascade_eager_ms"] / out["kascade_graph_ms"]
     return out
-
-
-def llama8b(max_len):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
-                      max_position_embeddings=max_len, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    return m
 
 
 def main():
@@ -178,7 +158,7 @@ def main():
     del model
     torch.cuda.empty_cache()
     if not a.skip_llama:
-        m = llama8b(131072 + 64)
+        m = bench.random_llama(bench.LLAMA8B, device="cuda", dtype=torch.bfloat16, max_positions=131072 + 64)
         plan = KascadePlan.uniform(ModelFingerprint.from_model(m), 5)
         for n in (32768, 131072):
             res[f"decode_llama8b_{n // 1024}k_b1"] = r = decode_latency(m, plan, n, a.steps)
