@@ -282,3 +282,41 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
             p = pooled[b][h][rel]
             assert bool((p[1:] <= p[:-1] * (1 + 1e-5)).all()), "not in descending probability"
             assert p[-1] >= pooled[b][h].topk(kr).values[-1] * (1 - 1e-5), "not the top keys"
+
+
+def test_sparse_decode_with_counts_attends_each_sequences_prefix():
+    """counts=: sequence b attends only the first counts[b] entries of its rows, in whatever order they are (a
+    ranked selection's prefix): the same output as the rows cut to that prefix and -1 padded; ranked_counts is
+    reuse.row_counts' rule on the step's metadata."""
+    from kascade.reuse import row_counts
+
+    B, H, G, N, D = 3, 2, 4, 600, 64
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    k = torch.randn(B, H, N, D, generator=g)
+    v = torch.randn(B, H, N, D, generator=g)
+    kv_start = torch.tensor([0, 100, 430])
+    budget = Budget(ratio=0.1, k_min=16)
+    meta = td.decode_meta(B, device=q.device, kv_start=kv_start, q_offset=N - 1, budget=budget)
+    K = 90
+    idx = torch.full((B, H, 1, K), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            perm = torch.randperm(N - int(kv_start[b]), generator=g)[:K] + int(kv_start[b])  # not sorted
+            idx[b, h, 0, : perm.numel()] = perm
+    for s in (0.5, 1.3, 2.0):
+        cnt = td.ranked_counts(meta, s)
+        want_cnt = [row_counts(budget, s, kv_start=kv_start[b : b + 1], q_offset=N - 1, L=1, rows=1,
+                               row_start=torch.zeros(1), decode=True)[0][0] for b in range(B)]
+        assert cnt.dtype == torch.int32 and cnt.tolist() == want_cnt
+        assert td.ranked_counts(meta, s) is cnt, "memoised per step and scale"
+        cut = idx.clone()
+        for b in range(B):
+            cut[b, :, :, int(cnt[b]) :] = -1
+        big = torch.iinfo(torch.long).max
+        cut = torch.where(cut < 0, big, cut).sort(-1).values  # the documented input: ascending, -1 at the end
+        cut = torch.where(cut == big, -1, cut)
+        got = td.sparse_decode(q, k, v, idx, scale=D**-0.5, counts=cnt)
+        ref = td.sparse_decode(q, k, v, cut, scale=D**-0.5)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got, td.sparse_decode(q, k, v, idx, scale=D**-0.5)), "the counts changed nothing"

@@ -251,3 +251,39 @@ def test_selection_chunks_bound_the_buffer(monkeypatch):
     assert len(sizes) > 2, "the small bound should split the tiles into several chunks"
     assert max(sizes) <= 8192
     assert torch.equal(one.indices, many.indices)
+
+
+def test_sparse_prefill_with_counts_attends_each_rows_prefix():
+    """counts=: row r of sequence b attends only the first counts[b, r] entries of its index row, whatever their
+    order (a ranked selection's prefix): the same output as the rows cut to that prefix, sorted, -1 padded."""
+    from kascade.ops.selection import Selection
+
+    B, H, G, D, T = 2, 2, 2, 64, 16
+    N = L = 96
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, H * G, L, D, generator=g)
+    k = torch.randn(B, H, N, D, generator=g)
+    v = torch.randn(B, H, N, D, generator=g)
+    pos = {"scale": D**-0.5, "kv_start": torch.tensor([0, 20]), "q_offset": 0}
+    R, K = N // T, 40
+    idx = torch.full((B, H, R, K), -1, dtype=torch.int32)
+    counts = torch.zeros(B, R, dtype=torch.int32)
+    for b, start in enumerate((0, 20)):
+        for r in range(R):
+            before = r * T  # keys strictly before tile r (positions relative to the sequence's first key)
+            if before == 0 or before >= N - start:
+                continue
+            m = min(K, before)
+            counts[b, r] = int(torch.randint(1, m + 1, (1,), generator=g))
+            for h in range(H):
+                idx[b, h, r, :m] = (torch.randperm(before, generator=g)[:m] + start).to(torch.int32)
+    cut = torch.where(torch.arange(K) < counts[:, None, :, None], idx, -1).long()
+    big = torch.iinfo(torch.long).max
+    cut = torch.where(cut < 0, big, cut).sort(-1).values
+    cut = torch.where(cut == big, -1, cut)
+    rs = torch.zeros(B, dtype=torch.long)
+    got = tp.sparse_prefill(q, k, v, Selection(idx, rs, T, False), counts=counts, **pos)
+    want = tp.sparse_prefill(q, k, v, Selection(cut, rs, T, False), **pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    full = tp.sparse_prefill(q, k, v, Selection(idx, rs, T, False), **pos)
+    assert not torch.allclose(got, full), "the counts changed nothing"

@@ -103,6 +103,7 @@ class ForwardState:
     q_offset: int | None
     meta: object = None  # kascade.ops.triton.decode.DecodeMeta in a Triton decode step
     selections: dict[int, Selection] = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)  # prefill, ranked plans: (scale, rows) -> (device counts, max)
 
 
 class KascadeRuntime:
@@ -270,8 +271,10 @@ class KascadeRuntime:
     def _attend_ranked_fast(self, plan, layer, q, k, v, scale, st):
         """A per-layer-budget plan on the Triton kernels: anchors keep a ranked selection (descending pooled
         probability, as deep as the largest budget they serve); every layer attends a prefix of its anchor's
-        ranking, ``round(scale * c)`` keys per row (:func:`kascade.reuse.row_counts`' rule), masked in place (no
-        sort: the sparse kernels need only the -1 padding at the end of each row)."""
+        ranking, ``round(scale * c)`` keys per row (:func:`kascade.reuse.row_counts`' rule). The sparse kernel
+        cuts each row itself: it gets the per-row counts (prefill, computed once per forward and scale) or per-sequence
+        counts (decode, once per step and scale), so no layer copies or masks its indices. With ``account`` the
+        prefix is materialised (:meth:`_prefix`) so that the attended keys can be counted."""
         decode, prefill = self._kernels
         L = q.shape[2]
         if plan.is_anchor(layer):
@@ -290,10 +293,29 @@ class KascadeRuntime:
                 if self.account:
                     self._count(layer, None, L, st)
                 return out
-            sel = self._prefix(order, plan.scale_of(layer), st, L)
         else:
-            sel = self._prefix(st.selections[plan.anchor_of(layer)], plan.scale_of(layer), st, L)
-            sel = self._remap(sel, layer, plan)
+            order = st.selections[plan.anchor_of(layer)]
+        s = plan.scale_of(layer)
+        if not self.account:  # the sparse kernels attend each row's prefix themselves (counts memoised per forward)
+            if st.meta is not None:
+                cnt = decode.ranked_counts(st.meta, s)
+                K = int(s * st.meta.k_max + 0.5) + 1
+            else:
+                key = (s, order.indices.shape[2])
+                if key not in st.counts:
+                    c = reuse.prefill_counts(self.budget, s, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
+                                             rows=order.indices.shape[2])  # [B, R] on the host
+                    st.counts[key] = (c.to(torch.int32).to(order.indices.device), int(c.max()) if c.numel() else 0)
+                cnt, K = st.counts[key]
+            sel = Selection(order.indices[..., : min(K, order.indices.shape[-1])], order.row_start, order.tile,
+                            order.decode)
+            sel = sel if plan.is_anchor(layer) else self._remap(sel, layer, plan)
+            if st.meta is not None:
+                return decode.sparse_decode(q, k, v, sel.indices, scale=scale, counts=cnt)
+            return prefill.sparse_prefill(q, k, v, sel, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset,
+                                          counts=cnt)
+        sel = self._prefix(order, s, st, L)
+        sel = sel if plan.is_anchor(layer) else self._remap(sel, layer, plan)
         if self.account:
             self._count(layer, sel, L, st)
         return self._sparse(q, k, v, sel, scale, st)

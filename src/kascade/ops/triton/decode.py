@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -68,12 +68,14 @@ class DecodeMeta:
     tensor: ``[B, 4]`` int32 on the device: first valid slot (0 when paged), valid keys ``n_b``, budget ``k_b``, 0.
     n, k:   the same ``n_b`` and ``k_b`` on the host (``k`` is ``None`` when no budget was given).
     paged:  whether it describes a paged cache.
+    derived: tensors computed from it once per step (:func:`ranked_counts`, :func:`ranked_meta`).
     """
 
     tensor: torch.Tensor
     n: tuple
     k: tuple | None
     paged: bool
+    derived: dict = field(default_factory=dict, compare=False, repr=False)  # memo of ranked_counts / ranked_meta
 
     @property
     def n_max(self) -> int:
@@ -146,7 +148,7 @@ def _to_out(x, dtype: tl.constexpr, RNE: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist,
+    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -160,6 +162,7 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
+    HAS_CNT: tl.constexpr,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows)."""
     split = tl.program_id(0)
@@ -177,6 +180,8 @@ def _split_kernel(
     if SPARSE:
         base = 0
         n = n_idx
+        if HAS_CNT:  # attend only the first Cnt[b] entries of each index row (a prefix of a ranked selection)
+            n = tl.minimum(n, tl.load(Cnt + b))
     else:
         base = tl.load(Meta + b * 4)
         n = tl.load(Meta + b * 4 + 1)
@@ -439,7 +444,7 @@ def _heads(q, k, block_table):
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
-               num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
+               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
     """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
@@ -466,8 +471,11 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         assert idx.dim() == 4 and idx.shape[2] == 1 and idx.stride(-1) == 1
     dummy = Mx
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    if counts is not None:
+        assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
     _split_kernel[(S, H, B)](
-        q, k, v if v is not None else k, idx if sparse else dummy, meta.tensor if meta is not None else dummy,
+        q, k, v if v is not None else k, idx if sparse else dummy, counts if counts is not None else dummy,
+        meta.tensor if meta is not None else dummy,
         block_table if block_table is not None else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
         q.stride(0), q.stride(1), *ks, *vs,
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
@@ -475,7 +483,8 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
         n_keys, per, sc_row, scale * LOG2E,
         H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGE=max(page, 1), PAGED=block_table is not None, SPARSE=sparse,
-        HAS_V=has_v, WRITE_SCORES=write_scores, DIRECT=direct, F32=f32, NHIST=_NHIST, RNE=rne, num_warps=nw,
+        HAS_V=has_v, WRITE_SCORES=write_scores, DIRECT=direct, F32=f32, NHIST=_NHIST, RNE=rne,
+        HAS_CNT=counts is not None, num_warps=nw,
         **extra,
     )
     if has_v and not direct:
@@ -502,20 +511,49 @@ def dense_decode(q, k, v, *, scale, kv_start=None, q_offset=None, block_table=No
     return out
 
 
-def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, out=None, **cfg):
+def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, out=None, counts=None, **cfg):
     """Decode attention over the selected keys only (softmax renormalised over them). ``-> [B, HQ, 1, D]``.
 
     indices: ``[B, H, 1, K]`` int32 or int64, ascending, -1 padding at the end (a :class:`Selection`'s ``indices``
     are used as they are: loading int64 costs 8 bytes per selected row against the 4*D bytes of its K and V rows,
     less than a conversion launch per layer). Contiguous: absolute slots (``kv_start`` is not needed and ignored);
     paged: logical positions. Every row must hold at least one index.
+
+    counts: ``[B]`` int32 on the device (optional): sequence ``b`` attends only the first ``counts[b]`` entries of
+    its rows (the prefix of a ranked selection, :func:`ranked_counts`), as if the rest were -1; the order of the
+    entries does not matter.
     """
     del kv_start
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     out, *_ = _run_split(q, k, v, indices, None, block_table, out, scale=scale, n_keys=indices.shape[-1],
-                         sparse=True, has_v=True, write_scores=False, sc_row=0, **cfg)
+                         sparse=True, has_v=True, write_scores=False, sc_row=0, counts=counts, **cfg)
     return out
+
+
+def ranked_counts(meta: DecodeMeta, scale: float) -> torch.Tensor:
+    """Per sequence of the step, the keys a layer with budget multiplier ``scale`` attends from a ranked
+    selection: ``min(n_b, round(scale * k_b))`` (:func:`kascade.reuse.row_counts`' rule, in float64 like it),
+    ``[B]`` int32 on the device, computed from the step's metadata with device ops only (graph-capturable).
+    Memoised on ``meta`` (one computation per step and scale)."""
+    key = ("counts", float(scale))
+    if key not in meta.derived:
+        n, kb = meta.tensor[:, 1], meta.tensor[:, 2]
+        cnt = torch.floor(kb.double() * float(scale) + 0.5)
+        meta.derived[key] = torch.minimum(cnt.to(torch.int32), n).contiguous()
+    return meta.derived[key]
+
+
+def ranked_meta(meta: DecodeMeta, depth: float) -> DecodeMeta:
+    """The step's metadata with each sequence's budget ``k_b`` replaced by ``min(n_b, round(depth * k_b))`` (the
+    count a ranked selection of that depth keeps), memoised on ``meta``."""
+    key = ("depth", float(depth))
+    if key not in meta.derived:
+        t = meta.tensor.clone()
+        t[:, 2] = ranked_counts(meta, depth)
+        meta.derived[key] = DecodeMeta(tensor=t, n=meta.n, k=tuple(min(n, math.floor(depth * x + 0.5)) for n, x in
+                                                                   zip(meta.n, meta.k)), paged=meta.paged)
+    return meta.derived[key]
 
 
 def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=None, depth=None):
@@ -527,11 +565,8 @@ def _select_from_scores(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, ch=N
     if depth is not None:
         # ranked: round(depth * k_b) keys, capped by n_b (reuse.row_counts' rule); the radix select reads its
         # count from the metadata, so it gets a copy with that count (device ops: graph-capturable)
-        KMAX = min(meta.n_max, math.floor(depth * KMAX + 0.5))
-        t = meta.tensor.clone()
-        t[:, 2] = torch.minimum(t[:, 1], torch.floor(t[:, 2].double() * depth + 0.5).to(torch.int32))
-        meta = DecodeMeta(tensor=t, n=meta.n, k=tuple(min(n, math.floor(depth * x + 0.5)) for n, x in
-                                                       zip(meta.n, meta.k)), paged=meta.paged)
+        meta = ranked_meta(meta, depth)
+        KMAX = meta.k_max
     ch = ch or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     C = triton.cdiv(meta.n_max, ch)
     rows = B * H

@@ -207,15 +207,16 @@ def _score_kernel(
 
 @triton.jit
 def _sparse_kernel(
-    Q, K, V, Out, Idx, KvStart, RowStart,
+    Q, K, V, Out, Idx, Cnt, KvStart, RowStart,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_ol,
     stride_ib, stride_ih, stride_ir,
+    stride_cb,
     L, q_offset, n_idx, qk_scale,
     G: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NRB: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, HAS_CNT: tl.constexpr,
 ):
     """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles (larger budgets) first
@@ -241,9 +242,12 @@ def _sparse_kernel(
         v_base = V + b64 * stride_vb + h * stride_vh
         idx_row = Idx + b64 * stride_ib + h * stride_ih + r.to(tl.int64) * stride_ir
 
-        # Blocks of the index list that hold any index (ascending, -1 padding at the end): one strided load.
+        n_row = n_idx
+        if HAS_CNT:  # only the first Cnt[b, r] entries of the row (the prefix of a ranked selection)
+            n_row = tl.minimum(n_row, tl.load(Cnt + b64 * stride_cb + r))
+        # Blocks of the index list that hold any index (-1 padding at the end): one strided load.
         jb = tl.arange(0, MAXB) * BLOCK_N
-        firsts = tl.load(idx_row + jb, mask=jb < n_idx, other=-1)
+        firsts = tl.load(idx_row + jb, mask=jb < n_row, other=-1)
         nblk = tl.sum((firsts >= 0).to(tl.int32), 0)
 
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -253,7 +257,7 @@ def _sparse_kernel(
         # ---- selected keys (all strictly before the tile) ----
         for kb in range(0, nblk):
             j = kb * BLOCK_N + offs_n
-            slot = tl.load(idx_row + j, mask=j < n_idx, other=-1).to(tl.int64)
+            slot = tl.load(idx_row + j, mask=j < n_row, other=-1).to(tl.int64)
             ok = slot >= 0
             slot = tl.where(ok, slot, start)
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -470,11 +474,13 @@ def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None,
     return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
 
 
-def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, out=None, block_n=None,
-                   block_m=None, num_warps=None, num_stages=None):
+def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, out=None, counts=None,
+                   block_n=None, block_m=None, num_warps=None, num_stages=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
-    ascending with -1 padding at the end). ``-> [B, HQ, L, D]``."""
+    ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
+    sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
+    are in rank order: the order does not matter). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     N = k.shape[2]
     T = selection.tile
@@ -494,14 +500,16 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     ns = num_stages or (3 if D <= 128 else 2)
     out = torch.empty_like(q) if out is None else out
     maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
+    if counts is not None:
+        assert counts.dtype == torch.int32 and counts.shape == (B, R) and counts.stride(-1) == 1
     _sparse_kernel[(R * NRB, H, B)](
-        q, k, v, out, idx, ks, rs,
+        q, k, v, out, idx, counts if counts is not None else rs, ks, rs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        idx.stride(0), idx.stride(1), idx.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2), counts.stride(0) if counts is not None else 0,
         L, q_offset, KI, scale * LOG2E,
         G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
-        num_warps=nw, num_stages=ns,
+        HAS_CNT=counts is not None, num_warps=nw, num_stages=ns,
     )
     for b, s in enumerate(host_start):  # queries at padding slots belong to no tile
         if s > q_offset:

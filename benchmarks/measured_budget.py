@@ -1,0 +1,115 @@
+"""Per-layer budgets from measured sensitivity (issue 8), one GPU call:
+
+    python benchmarks/measured_budget.py --model /root/stage/smollm2.gguf --out $OUT
+
+1. From the shipped default plan (searched anchors, faithful reuse), measure the teacher-forced KL against dense on
+   "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every scale of the grid):
+   :func:`kascade.calibrate.variants.layer_sensitivity`.
+2. Allocate one scale per layer by exact dynamic programming on those measurements (additive model, mean scale over
+   layers 1..29 exactly 1): :func:`kascade.calibrate.variants.allocate_scales`, for the full grid (up to 3x) and for
+   the grid capped at 2x (anchors rank no deeper than the shipped layer-budget plan's).
+3. Score the candidates on *other* dev windows (the choice is made there), then evaluate every plan on the held-out
+   eval windows (8 x 4K, 5 x 8K), reference backend, fp32.
+Writes sensitivity.json, plan_measured.json, plan_measured_cap2.json, measured.json, measured.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kascade import text  # noqa: E402
+from kascade.calibrate.variants import DevScorer, MEASURED_GRID, layer_sensitivity, measured_budget_plan  # noqa: E402
+from kascade.models import load_model  # noqa: E402
+from kascade.plan import shipped_plan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import evaluate  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="out/measured")
+    ap.add_argument("--sens", type=int, nargs="+", default=[4096, 4096, 4096, 8192, 8192],
+                    help="lengths of the sensitivity dev windows (default: 3 x 4K + 2 x 8K)")
+    ap.add_argument("--choose", type=int, nargs="+", default=[4096, 4096, 8192, 8192],
+                    help="lengths of the dev windows the candidates are chosen on (default: 2 x 4K + 2 x 8K)")
+    ap.add_argument("--eval", type=int, nargs="+", default=[4096, 8192], help="held-out eval lengths")
+    ap.add_argument("--eval-windows", type=int, nargs="+", default=[8, 5], help="held-out windows per eval length")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def log(*x):
+        print(f"[{time.perf_counter() - t0:7.1f} s]", *x, flush=True)
+
+    import transformers
+
+    res = dict(machine=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
+               transformers=transformers.__version__, grid=list(MEASURED_GRID))
+    model, tok = load_model(a.model, device=a.device, dtype=torch.float32)
+
+    def dev_windows(lengths, seed):
+        wins = []
+        for n in sorted(set(lengths)):
+            wins += text.windows(tok, "dev", n, lengths.count(n), seed=seed)
+        return wins
+
+    base = shipped_plan(model, "default")
+    plans = {"faithful": shipped_plan(model, "faithful"), "searched (default)": base,
+             "searched + layer budget (proxy)": shipped_plan(model, "layer-budget")}
+    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, progress=False, log=log)
+    res["sensitivity"] = sens
+    (out / "sensitivity.json").write_text(json.dumps(sens, indent=1))
+    log(f"sensitivity done, base KL {sens['base']:.4f}")
+    for name, grid in (("measured", MEASURED_GRID), ("measured_cap2", tuple(s for s in MEASURED_GRID if s <= 2))):
+        p = measured_budget_plan(base, sens, grid)
+        p.save(out / f"plan_{name}.json")
+        plans[f"searched + layer budget ({name.replace('_', ', ')})"] = p
+        log(f"{name}: scales {list(p.layer_scale)}")
+    chooser = DevScorer(model, dev_windows(a.choose, seed=7))
+    res["choose"] = {n: chooser(p) for n, p in plans.items()}
+    log("choose (dev): " + "; ".join(f"{n} {v['kl']:.4f}" for n, v in res["choose"].items()))
+    res["eval"] = {}
+    for L, n in zip(a.eval, a.eval_windows):
+        res["eval"][L] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), lambda *x: None, "reference")
+        log(f"eval {L}: " + "; ".join(f"{k} {v['agreement']:.4f}/{v['kl']:.4f}" for k, v in res["eval"][L].items()))
+        (out / "measured.json").write_text(json.dumps(res, indent=1, default=str))
+    best = min(res["choose"], key=lambda k: res["choose"][k]["kl"])
+    res["best_on_dev"] = best
+    (out / "measured.json").write_text(json.dumps(res, indent=1, default=str))
+    head = "| plan | anchors | scales | dev KL (choice) | " + " | ".join(
+        f"attended {L} | agree {L} | KL {L}" for L in a.eval) + " |"
+    lines = [f"machine {res['machine']}; torch {res['torch']}; transformers {res['transformers']}; SmolLM2-135M-Instruct "
+             f"fp32; reference backend; 10% budget; held-out eval windows {dict(zip(a.eval, a.eval_windows))}; "
+             f"sensitivity on dev windows {a.sens}, choice on other dev windows {a.choose}", "", head,
+             "|" + "---|" * (4 + 3 * len(a.eval))]
+    for name, p in plans.items():
+        sc = "1" if p.layer_scale is None else f"{min(p.layer_scale[1:]):g}-{max(p.layer_scale):g}"
+        row = f"| {name}{' (chosen)' if name == best else ''} | {list(p.anchors)} | {sc} | {res['choose'][name]['kl']:.4f} |"
+        for L in a.eval:
+            e = res["eval"][L][name]
+            row += f" {e['attended_fraction']:.4f} | {e['agreement']:.4f} | {e['kl']:.4f} |"
+        lines.append(row)
+    lines += ["", f"Sensitivity (KL change with one layer at each scale, base KL {sens['base']:.4f}):", "",
+              "| layer | " + " | ".join(f"{s}x" for s in MEASURED_GRID if s != 1) + " |",
+              "|---|" + "---|" * (len(MEASURED_GRID) - 1)]
+    for l, row in sens["kl"].items():
+        lines.append(f"| {l}{' (anchor)' if base.is_anchor(int(l)) else ''} | " +
+                     " | ".join(f"{v - sens['base']:+.4f}" for v in row.values()) + " |")
+    (out / "measured.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
