@@ -26,12 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kascade import text  # noqa: E402
-from kascade.calibrate.variants import DevScorer, MEASURED_GRID, layer_sensitivity, measured_budget_plan  # noqa: E402
+from kascade.calibrate.variants import DevScorer, layer_sensitivity, measured_budget_plan  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 from kascade.plan import shipped_plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from variants import evaluate  # noqa: E402
+
+MEASURED_GRID = (0.5, 1.0, 1.5, 2.0, 3.0)  # measured; the library's default grid is the capped one (up to 2x)
 
 
 def main():
@@ -68,7 +70,8 @@ def main():
     base = shipped_plan(model, "default")
     plans = {"faithful": shipped_plan(model, "faithful"), "searched (default)": base,
              "searched + layer budget (proxy)": shipped_plan(model, "layer-budget")}
-    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, progress=False, log=log)
+    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, MEASURED_GRID, progress=False,
+                             log=log)
     res["sensitivity"] = sens
     (out / "sensitivity.json").write_text(json.dumps(sens, indent=1))
     log(f"sensitivity done, base KL {sens['base']:.4f}")

@@ -91,11 +91,13 @@ def test_v2_json_round_trip_and_v1_stays_v1(tmp_path):
     assert p.with_budget(ratio=0.2).by_length[0][1].ratio == 0.2  # sub-plans follow budget changes
 
 
-def test_shipped_v1_plan_still_loads():
+def test_shipped_plans_load_in_both_formats():
     from kascade.plan import shipped_plans
 
-    plans = shipped_plans()
-    assert plans and all(not p.ranked and p.calibrated for p in plans)
+    v1 = shipped_plans("searched") + shipped_plans("faithful")  # kascade-plan/1 files: anchors + head map
+    assert v1 and all(not p.ranked and p.calibrated for p in v1)
+    v2 = shipped_plans()  # the default: kascade-plan/2 with per-layer budgets
+    assert v2 and all(p.ranked and p.layer_scale is not None and p.calibrated for p in v2)
 
 
 @pytest.mark.parametrize("changes,needle", [

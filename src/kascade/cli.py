@@ -168,13 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--method", default="faithful", type=_method,
                    help="which plan to write: faithful (the paper's method, default), a reuse rule of issue 8 "
                    "(any-anchor, union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
-                   "--lengths, chosen from N at run time) or search (anchors by measured KL on other dev windows)")
+                   "--lengths, chosen from N at run time), search (anchors by measured KL on other dev windows) or "
+                   "measured (the shipped default's method: search, then per-layer budgets from each layer's measured "
+                   "sensitivity on those windows; about 30 + 3 x layers plan evaluations)")
     c.add_argument("--rule", default=None, type=_method,
                    help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
     c.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="with --method length / search: calibration lengths (default: --seq-len)")
-    c.add_argument("--search-windows", type=int, default=2, help="with --method search: dev windows per length")
-    c.add_argument("--search-evals", type=int, default=24, help="with --method search: plans scored per length")
+                   help="with --method length / search / measured: calibration lengths (default: --seq-len)")
+    c.add_argument("--search-windows", type=int, default=2,
+                   help="with --method search / measured: dev windows per length")
+    c.add_argument("--search-evals", type=int, default=24,
+                   help="with --method search / measured: plans scored in the anchor search (per length for search)")
     c.add_argument("--out", default="kascade-calibration", help="output folder (default: ./kascade-calibration)")
     _model_args(c)
     c.set_defaults(func=_calibrate)

@@ -317,11 +317,12 @@ _V2_FIELDS = frozenset({"sources", "layer_scale", "sinks", "recent", "by_length"
 # Shipped plans: ``plans/<model>.json`` is the default; ``plans/<variant>/<model>.json`` are the alternatives a user
 # can name (``enable(model, plan="faithful")``).
 SHIPPED_VARIANTS = {
-    "default": "the library's default: calibrated, anchors chosen by measured fidelity (faithful reuse rule: the "
-               "Triton fast path serves it)",
+    "default": "the library's default, the most accurate at the paper's cost: anchors chosen by measured fidelity, "
+               "per-layer budgets from each layer's measured sensitivity (same average budget; its anchors rank up "
+               "to 2x deeper, see docs/variants)",
+    "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
+                "cheapest decode selection)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
-    "layer-budget": "searched anchors + per-layer budgets (ranked reuse; the most accurate; its anchors select up "
-                    "to 2x deeper and rank what they select: slower decode than the default, see docs/variants)",
 }
 
 

@@ -104,3 +104,78 @@ def test_variant_strategies_on_a_tiny_model():
         assert 0.05 < a / d < 0.5, (name, a / d)
     with pytest.raises(ValueError, match="needs calibration statistics"):
         make_strategy("kascade-union2", model, base)
+
+
+def _sens(base, table):
+    return dict(base=base, kl={l: dict(row) for l, row in table.items()})
+
+
+def test_allocate_scales_is_the_exact_minimum_at_the_same_mean_budget():
+    """The DP's allocation equals a brute force over every grid assignment with mean scale 1 over layers 1..L-1,
+    under the additive model of the (monotone) measured changes."""
+    import itertools
+
+    g = torch.Generator().manual_seed(5)
+    grid = (0.5, 1.0, 1.5, 2.0)
+    L = 6
+    table = {}
+    for l in range(1, L):
+        gain = float(torch.rand(1, generator=g)) * 0.01
+        table[l] = {0.5: 0.1 + gain * 1.5, 1.5: 0.1 - gain * 0.6, 2.0: 0.1 - gain}
+    sens = _sens(0.1, table)
+    got = cv.allocate_scales(sens, L, grid)
+    assert got[0] == 1.0 and len(got) == L and abs(sum(got[1:]) - (L - 1)) < 1e-12
+    costs = cv.monotone_costs(sens, grid)
+    best = min((sum(costs[l][s] for l, s in zip(range(1, L), combo)), combo)
+               for combo in itertools.product(grid, repeat=L - 1) if abs(sum(combo) - (L - 1)) < 1e-12)
+    assert abs(sum(costs[l][s] for l, s in zip(range(1, L), got[1:])) - best[0]) < 1e-12
+    assert got != (1.0,) * L  # the gains differ: budget moves
+
+
+def test_monotone_costs_treat_inverted_measurements_as_noise():
+    sens = _sens(0.1, {1: {0.5: 0.09, 1.5: 0.105, 2.0: 0.095}})  # fewer keys "helped", more "hurt": noise
+    c = cv.monotone_costs(sens, (0.5, 1.0, 1.5, 2.0))[1]
+    assert c[0.5] == 0.0 and c[1.0] == 0.0 and c[1.5] == 0.0 and c[2.0] == pytest.approx(-0.005)
+    with pytest.raises(ValueError, match="no measurement"):
+        cv.allocate_scales(sens, 3, (0.5, 1.0, 2.0))
+    with pytest.raises(ValueError, match="multiple of unit"):
+        cv.allocate_scales(sens, 2, (0.3, 1.0))
+
+
+def test_layer_sensitivity_changes_one_layer_at_a_time():
+    """Each measured plan differs from the base in one layer's scale; a scorer that rewards keys in layer 3 only
+    gets layer 3 the largest budget."""
+    plan = KascadePlan(FP, (0, 3), ((0, 1),) * 6, k_min=8, tile=16)
+    seen = []
+
+    def scorer(p):
+        seen.append(p.layer_scale)
+        s = 1.0 if p.layer_scale is None else p.layer_scale[3]
+        return dict(kl=0.1 / s, agreement=0.9)
+
+    sens = cv.layer_sensitivity(scorer, plan, (0.5, 1.0, 2.0), progress=False)
+    assert seen[0] is None and len(seen) == 1 + 5 * 2
+    for ls in seen[1:]:
+        assert sum(x != 1.0 for x in ls) == 1 and ls[0] == 1.0
+    assert sens["kl"][3] == {0.5: 0.2, 2.0: 0.05} and sens["kl"][1] == {0.5: 0.1, 2.0: 0.1}
+    out = cv.measured_budget_plan(plan, sens, (0.5, 1.0, 2.0))
+    assert out.layer_scale[3] == 2.0 and max(out.layer_scale) == 2.0 and out.anchors == plan.anchors
+    assert abs(sum(out.layer_scale[1:]) - 5) < 1e-12
+    with pytest.raises(ValueError, match="anchors and head map only"):
+        cv.layer_sensitivity(scorer, out.__class__(FP, (0, 3), ((0, 1),) * 6, recent=0.5), progress=False)
+
+
+def test_measured_method_searches_then_allocates_budgets_on_a_tiny_model():
+    """plan_from_method('measured'): searched anchors with faithful reuse, then budgets from the measured
+    sensitivity (mean 1 over layers 1..L-1, grid values only), on the given development windows."""
+    model = tiny_model("llama", num_key_value_heads=3, num_hidden_layers=6)
+    g = torch.Generator().manual_seed(1)
+    wins = [torch.randint(3, 97, (160,), generator=g) for _ in range(2)]
+    st = collect_stats(model, wins[:1], k=16, tile=16, progress=False)
+    plan = cv.plan_from_method("measured", model, {160: st}, 3, search_windows={160: wins[1:]}, max_evals=3,
+                               budget=dict(k_min=8, tile=16), progress=False)
+    assert len(plan.anchors) == 3 and plan.layer_scale is not None and plan.sources is None and plan.k_min == 8
+    assert set(plan.layer_scale) <= set(cv.MEASURED_GRID) and abs(sum(plan.layer_scale[1:]) - 5) < 1e-9
+    assert "measured budgets" in plan.source
+    with pytest.raises(ValueError, match="needs development windows"):
+        cv.plan_from_method("measured", model, {160: st}, 3)

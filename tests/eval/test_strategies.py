@@ -84,7 +84,10 @@ def test_shipped_variants_serve_the_default_model(default_model):
     plans = {v: shipped_plan(model, v) for v in SHIPPED_VARIANTS}
     assert plans["default"] == kascade.default_plan(model)
     assert plans["faithful"].anchors != plans["default"].anchors  # the search moved an anchor
-    assert not plans["faithful"].ranked and not plans["default"].ranked and plans["layer-budget"].ranked
+    assert not plans["faithful"].ranked and not plans["searched"].ranked and plans["default"].ranked
+    assert plans["searched"].anchors == plans["default"].anchors  # the default = searched + per-layer budgets
+    scales = plans["default"].layer_scale
+    assert scales[0] == 1.0 and abs(sum(scales[1:]) / (len(scales) - 1) - 1.0) < 1e-9  # same average budget
     assert all(len(p.anchors) == 6 for p in plans.values())
     assert "kascade-faithful" in available(model)
     assert "kascade-faithful" not in available(tiny_model("llama"))

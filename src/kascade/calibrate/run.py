@@ -123,7 +123,7 @@ def _variant_plan(args, model, tok, fp, stats, num_anchors, budget):
             by_len[n] = collect_stats(model, dev_windows(tok, data=args.data, field=args.text_field, seq_len=n,
                                                          count=args.samples, seed=args.seed), k=args.k, tile=args.tile)
     search = None
-    if args.method == "search":
+    if args.method in ("search", "measured"):
         # scored on other development windows than the statistics' (another seed; with --data, the texts after
         # those of the statistics and the holdout)
         used = args.samples + (args.holdout if args.target_agreement is not None else 0)

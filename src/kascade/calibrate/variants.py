@@ -15,6 +15,9 @@ their index sets* (see :mod:`kascade.reuse`) or *which anchors* (search, length-
 - ``length``:       one sub-plan per calibration length (``by_length``), chosen from N at run time.
 - ``search``:       anchors chosen by measured teacher-forced KL on development windows (coordinate search from
                     the DP's set: move one anchor at a time), any reuse rule above.
+- ``measured``:     the shipped default's method: anchors by that search (faithful reuse) on the development
+                    windows of every length together, then per-layer budgets allocated from each layer's *measured*
+                    sensitivity on the same windows (:func:`layer_sensitivity`, :func:`allocate_scales`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .dp import choose_anchors
 from .stats import CalibrationStats
 
 RULES = ("faithful", "any-anchor", "union2", "sinks", "layer-budget")
-METHODS = (*RULES, "length", "search")
+METHODS = (*RULES, "length", "search", "measured")
 SINKS, RECENT = 4, 0.5
 ALPHA, SCALE_RANGE = 1.0, (0.5, 2.0)
 
@@ -252,6 +255,22 @@ def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationS
     kw = dict(budget=budget)
     if method == "length":
         return length_plan(fp, stats_by_length, num_anchors, rule or "faithful", **kw)
+    if method == "measured":
+        if not search_windows:
+            raise ValueError("method 'measured' needs development windows to score plans on")
+        wins = [w for n in lengths for w in search_windows[n]]
+        scorer = DevScorer(model, wins)
+        st = stats_by_length[lengths[-1]]
+        best, s, hist = search_anchors(lambda a: plan_for_rule(fp, st, a, "faithful", **kw), scorer,
+                                       dp_anchors(st, num_anchors), fp.num_layers, max_evals=max_evals,
+                                       progress=progress, log=log)
+        plan = plan_for_rule(fp, st, best, "faithful", **kw)
+        sens = layer_sensitivity(scorer, plan, progress=progress, log=log)
+        sizes = "+".join(f"{len(search_windows[n])} x {n}" for n in lengths)
+        return measured_budget_plan(plan, sens, source=(
+            f"calibrated + searched + measured budgets: anchors {list(best)} by measured KL {s['kl']:.4f} on "
+            f"{sizes} dev windows ({len(hist)} plans) from the DP over {st.windows} windows of {st.seq_len} tokens; "
+            f"per-layer budgets {list(MEASURED_GRID)} from each layer's measured sensitivity on the same windows"))
     if method == "search":
         if not search_windows:
             raise ValueError("method 'search' needs development windows to score plans on")
@@ -270,7 +289,7 @@ def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationS
 # ----------------------------------------------------------------------------------------------------------------
 # Per-layer budgets from measured sensitivity
 # ----------------------------------------------------------------------------------------------------------------
-MEASURED_GRID = (0.5, 1.0, 1.5, 2.0, 3.0)
+MEASURED_GRID = (0.5, 1.0, 1.5, 2.0)  # anchors then rank at most 2x deep
 
 
 def _with_scales(plan: KascadePlan, scales: dict[int, float]) -> KascadePlan:

@@ -11,7 +11,8 @@ attention op, so they differ only in *which* keys they attend.
 - kascade-faithful:    the paper's method as shipped for the model (the similarity DP's anchors and head map;
                        ``kascade.plan.SHIPPED_VARIANTS``); an error for a model without a shipped faithful plan.
 - kascade-no-headmap:  the same anchors, identity head map.
-- kascade-shared:      the same anchors, one index set per layer pooled over all heads (the paper's ablation).
+- kascade-shared:      the same anchors, one index set per layer pooled over all heads (the paper's ablation;
+                       one budget for every layer).
 - streamingllm:        attention sinks (first 4 keys) plus the most recent keys, same count as the budget.
 - quest:               query-aware selection of 16-key pages by the upper bound sum_d max(q_d min_d, q_d max_d)
                        of per-page key minima/maxima, pooled over the group (and the tile in prefill), as many
@@ -207,16 +208,19 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
         return _variant(name, fp, base, b, stats, variant_plans)
     if name == "oracle":
         return KascadePlan.all_anchors(fp, **b), ops.select
+    own = None if base.ranked else ops.select  # a ranked plan (per-layer budgets) selects with its own ranking
     if name == "kascade":
-        return base, ops.select
+        return base, own
     if name == "kascade-faithful":
         faithful = shipped_plan(model, "faithful")
         return (faithful.with_budget(**budget) if budget else faithful), ops.select
     if name == "kascade-no-headmap":
-        return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), ops.select
+        return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), own
     if name == "kascade-shared":
-        return dataclasses.replace(base, head_map=ident, source=base.source + "; shared across heads"), \
-            partial(ops.select, shared=True)
+        # one selection shared by all KV heads has no per-head ranking: per-layer budgets are dropped
+        extra = "; per-layer budgets dropped" if base.layer_scale is not None else ""
+        return dataclasses.replace(base, head_map=ident, layer_scale=None, source=base.source +
+                                   "; shared across heads" + extra), partial(ops.select, shared=True)
     if name == "streamingllm":
         return KascadePlan(fp, (0,), ident, source="StreamingLLM: sinks + recent window", **b), streaming_select
     if name == "quest":
