@@ -2,7 +2,7 @@
 
     python benchmarks/measured_budget.py --model /root/stage/smollm2.gguf --out $OUT
 
-1. From the shipped default plan (searched anchors, faithful reuse), measure the teacher-forced KL against dense on
+1. From the shipped "searched" plan (searched anchors, faithful reuse; or --start), measure the teacher-forced KL against dense on
    "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every scale of the grid):
    :func:`kascade.calibrate.variants.layer_sensitivity`.
 2. Allocate one scale per layer by exact dynamic programming on those measurements (additive model, mean scale over
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kascade import text  # noqa: E402
+from kascade import KascadePlan, text  # noqa: E402
 from kascade.calibrate.variants import DevScorer, layer_sensitivity, measured_budget_plan  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 from kascade.plan import shipped_plan  # noqa: E402
@@ -47,6 +47,11 @@ def main():
                     help="lengths of the dev windows the candidates are chosen on (default: 2 x 4K + 2 x 8K)")
     ap.add_argument("--eval", type=int, nargs="+", default=[4096, 8192], help="held-out eval lengths")
     ap.add_argument("--eval-windows", type=int, nargs="+", default=[8, 5], help="held-out windows per eval length")
+    ap.add_argument("--start", default=None,
+                    help="a plan JSON to measure from (default: the shipped 'searched' plan, one budget per layer); "
+                         "a plan with per-layer budgets gives a second round around its scales")
+    ap.add_argument("--grids", nargs="+", default=["full", "cap2"], choices=["full", "cap2"],
+                    help="allocation grids: full = 0.5-3x, cap2 = 0.5-2x (default: both)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,15 +72,20 @@ def main():
             wins += text.windows(tok, "dev", n, lengths.count(n), seed=seed)
         return wins
 
-    base = shipped_plan(model, "default")
-    plans = {"faithful": shipped_plan(model, "faithful"), "searched (default)": base,
-             "searched + layer budget (proxy)": shipped_plan(model, "layer-budget")}
-    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, MEASURED_GRID, progress=False,
-                             log=log)
+    searched = shipped_plan(model, "searched")
+    plans = {"faithful": shipped_plan(model, "faithful"), "searched": searched,
+             "searched + layer budget (proxy)": KascadePlan.load(Path(__file__).parents[1] / "docs" / "variants" /
+                                                                 "plan_searched_layer_budget_proxy.json")}
+    base = searched
+    if a.start:
+        base = plans["start"] = KascadePlan.load(a.start)
+    grid = MEASURED_GRID if "full" in a.grids else tuple(s for s in MEASURED_GRID if s <= 2)
+    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, grid, progress=False, log=log)
     res["sensitivity"] = sens
     (out / "sensitivity.json").write_text(json.dumps(sens, indent=1))
     log(f"sensitivity done, base KL {sens['base']:.4f}")
-    for name, grid in (("measured", MEASURED_GRID), ("measured_cap2", tuple(s for s in MEASURED_GRID if s <= 2))):
+    grids = {"full": ("measured", MEASURED_GRID), "cap2": ("measured_cap2", tuple(s for s in MEASURED_GRID if s <= 2))}
+    for name, grid in (grids[g] for g in a.grids):
         p = measured_budget_plan(base, sens, grid)
         p.save(out / f"plan_{name}.json")
         plans[f"searched + layer budget ({name.replace('_', ', ')})"] = p
@@ -105,11 +115,10 @@ def main():
             row += f" {e['attended_fraction']:.4f} | {e['agreement']:.4f} | {e['kl']:.4f} |"
         lines.append(row)
     lines += ["", f"Sensitivity (KL change with one layer at each scale, base KL {sens['base']:.4f}):", "",
-              "| layer | " + " | ".join(f"{s}x" for s in MEASURED_GRID if s != 1) + " |",
-              "|---|" + "---|" * (len(MEASURED_GRID) - 1)]
+              "| layer | at | " + " | ".join(f"{s}x" for s in grid) + " |", "|---|---|" + "---|" * len(grid)]
     for l, row in sens["kl"].items():
-        lines.append(f"| {l}{' (anchor)' if base.is_anchor(int(l)) else ''} | " +
-                     " | ".join(f"{v - sens['base']:+.4f}" for v in row.values()) + " |")
+        lines.append(f"| {l}{' (anchor)' if base.is_anchor(int(l)) else ''} | {sens['current'][l]}x | " +
+                     " | ".join(f"{row[s] - sens['base']:+.4f}" if s in row else "0" for s in grid) + " |")
     (out / "measured.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -161,6 +161,13 @@ def test_layer_sensitivity_changes_one_layer_at_a_time():
     out = cv.measured_budget_plan(plan, sens, (0.5, 1.0, 2.0))
     assert out.layer_scale[3] == 2.0 and max(out.layer_scale) == 2.0 and out.anchors == plan.anchors
     assert abs(sum(out.layer_scale[1:]) - 5) < 1e-12
+    seen.clear()  # a second round measures around the plan's own scales, the other layers keeping theirs
+    again = cv.layer_sensitivity(scorer, out, (0.5, 1.0, 2.0), progress=False)
+    assert again["current"][3] == 2.0 and set(again["kl"][3]) == {0.5, 1.0} and len(seen) == 1 + 5 * 2
+    for ls in seen[1:]:
+        assert sum(x != y for x, y in zip(ls, out.layer_scale)) == 1
+    assert cv.monotone_costs(again, (0.5, 1.0, 2.0))[3][2.0] == 0.0
+    assert cv.allocate_scales(again, 6, (0.5, 1.0, 2.0))[3] == 2.0
     with pytest.raises(ValueError, match="anchors and head map only"):
         cv.layer_sensitivity(scorer, out.__class__(FP, (0, 3), ((0, 1),) * 6, recent=0.5), progress=False)
 

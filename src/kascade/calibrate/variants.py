@@ -298,36 +298,41 @@ def _with_scales(plan: KascadePlan, scales: dict[int, float]) -> KascadePlan:
 
 
 def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress: bool = True, log=None) -> dict:
-    """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "kl": {layer: {scale:
-    kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``scale`` of ``grid`` but 1."""
+    """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "current": {layer: scale},
+    "kl": {layer: {scale: kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``scale`` of
+    ``grid`` but the layer's current one (``plan``'s ``layer_scale``, 1 without it; the other layers keep theirs)."""
     if plan.sources is not None or plan.recent > 0 or plan.by_length:
         raise ValueError("layer_sensitivity takes a plan with anchors and head map only (no sources / sinks / "
                          "sub-plans per length)")
+    cur = {l: plan.scale_of(l) for l in range(plan.num_layers)}
     base = scorer(plan)["kl"]
-    scales = [s for s in grid if s != 1.0]
-    table = {}
     layers = range(1, plan.num_layers)
-    bar = tqdm(total=len(layers) * len(scales), desc="layer sensitivity", unit="plan", disable=not progress)
+    todo = {l: [s for s in grid if s != cur[l]] for l in layers}
+    table = {}
+    bar = tqdm(total=sum(map(len, todo.values())), desc="layer sensitivity", unit="plan", disable=not progress)
     for l in layers:
         table[l] = {}
-        for s in scales:
-            table[l][s] = scorer(_with_scales(plan, {l: s}))["kl"]
+        for s in todo[l]:
+            table[l][s] = scorer(_with_scales(plan, {**cur, l: s}))["kl"]
             bar.update(1)
         if log:
-            log(f"    sensitivity layer {l}: " + ", ".join(f"{s}x {v - base:+.4f}" for s, v in table[l].items()))
+            log(f"    sensitivity layer {l} (at {cur[l]}x): " +
+                ", ".join(f"{s}x {v - base:+.4f}" for s, v in table[l].items()))
     bar.close()
-    return dict(base=base, kl=table)
+    return dict(base=base, current={l: cur[l] for l in layers}, kl=table)
 
 
 def monotone_costs(sens: dict, grid=MEASURED_GRID) -> dict[int, dict[float, float]]:
-    """Per layer and scale of ``grid``, the measured KL change against the base plan, made monotone: more keys
-    never cost fidelity (above 1x a scale's change is at most the smaller scale's, and at most 0; below 1x at least
-    the larger scale's, and at least 0). A measured change against that order is noise of the finite windows, and
-    the allocation would otherwise spend budget on it."""
+    """Per layer and scale of ``grid``, the measured KL change against the base plan (0 at the layer's current
+    scale, ``sens["current"]``, 1 if absent), made monotone: more keys never cost fidelity (above the current scale
+    a scale's change is at most the next smaller one's, and at most 0; below it at least the next larger one's, and
+    at least 0). A measured change against that order is noise of the finite windows, and the allocation would
+    otherwise spend budget on it."""
     out = {}
     for l, row in sens["kl"].items():
-        d = {1.0: 0.0, **{float(s): v - sens["base"] for s, v in row.items()}}
-        up, down = sorted(s for s in d if s > 1), sorted((s for s in d if s < 1), reverse=True)
+        c = float(sens.get("current", {}).get(l, sens.get("current", {}).get(str(l), 1.0)))
+        d = {c: 0.0, **{float(s): v - sens["base"] for s, v in row.items()}}
+        up, down = sorted(s for s in d if s > c), sorted((s for s in d if s < c), reverse=True)
         prev = 0.0
         for s in up:
             prev = d[s] = min(d[s], prev)
