@@ -272,9 +272,9 @@ class KascadeRuntime:
         """A per-layer-budget plan on the Triton kernels: anchors keep a ranked selection (descending pooled
         probability, as deep as the largest budget they serve); every layer attends a prefix of its anchor's
         ranking, ``round(scale * c)`` keys per row (:func:`kascade.reuse.row_counts`' rule). The sparse kernel
-        cuts each row itself: it gets the per-row counts (prefill, computed once per forward and scale) or per-sequence
-        counts (decode, once per step and scale), so no layer copies or masks its indices. With ``account`` the
-        prefix is materialised (:meth:`_prefix`) so that the attended keys can be counted."""
+        cuts each row itself: it gets per-row counts (prefill, computed once per forward and scale) or
+        per-sequence counts (decode, once per step and scale), so no layer copies or masks its indices. With
+        ``account`` the prefix is materialised (:meth:`_prefix`) so that the attended keys can be counted."""
         decode, prefill = self._kernels
         L = q.shape[2]
         if plan.is_anchor(layer):
