@@ -2,12 +2,12 @@
 
     python benchmarks/measured_budget.py --model /root/stage/smollm2.gguf --out $OUT
 
-1. From the shipped "searched" plan (searched anchors, faithful reuse; or --start), measure the teacher-forced KL against dense on
-   "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every scale of the grid):
-   :func:`kascade.calibrate.variants.layer_sensitivity`.
+1. From the shipped "searched" plan (searched anchors, faithful reuse; or --start), measure the teacher-forced KL
+   against dense on "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every
+   scale of the grid): :func:`kascade.calibrate.variants.layer_sensitivity`.
 2. Allocate one scale per layer by exact dynamic programming on those measurements (additive model, mean scale over
    layers 1..29 exactly 1): :func:`kascade.calibrate.variants.allocate_scales`, for the full grid (up to 3x) and for
-   the grid capped at 2x (anchors rank no deeper than the shipped layer-budget plan's).
+   the grid capped at 2x (anchors rank at most 2x deep), as --grids asks.
 3. Score the candidates on *other* dev windows (the choice is made there), then evaluate every plan on the held-out
    eval windows (8 x 4K, 5 x 8K), reference backend, fp32.
 Writes sensitivity.json, plan_measured.json, plan_measured_cap2.json, measured.json, measured.md into --out.
@@ -103,13 +103,15 @@ def main():
     (out / "measured.json").write_text(json.dumps(res, indent=1, default=str))
     head = "| plan | anchors | scales | dev KL (choice) | " + " | ".join(
         f"attended {L} | agree {L} | KL {L}" for L in a.eval) + " |"
-    lines = [f"machine {res['machine']}; torch {res['torch']}; transformers {res['transformers']}; SmolLM2-135M-Instruct "
+    lines = [f"machine {res['machine']}; torch {res['torch']}; transformers {res['transformers']}; "
+             f"SmolLM2-135M-Instruct "
              f"fp32; reference backend; 10% budget; held-out eval windows {dict(zip(a.eval, a.eval_windows))}; "
              f"sensitivity on dev windows {a.sens}, choice on other dev windows {a.choose}", "", head,
              "|" + "---|" * (4 + 3 * len(a.eval))]
     for name, p in plans.items():
         sc = "1" if p.layer_scale is None else f"{min(p.layer_scale[1:]):g}-{max(p.layer_scale):g}"
-        row = f"| {name}{' (chosen)' if name == best else ''} | {list(p.anchors)} | {sc} | {res['choose'][name]['kl']:.4f} |"
+        mark = " (chosen)" if name == best else ""
+        row = f"| {name}{mark} | {list(p.anchors)} | {sc} | {res['choose'][name]['kl']:.4f} |"
         for L in a.eval:
             e = res["eval"][L][name]
             row += f" {e['attended_fraction']:.4f} | {e['agreement']:.4f} | {e['kl']:.4f} |"

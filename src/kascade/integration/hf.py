@@ -460,8 +460,8 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
     uniform plan (with a warning); a string names a shipped variant (``kascade.plan.SHIPPED_VARIANTS``: "default",
-    "searched", "faithful" = the paper's method). ``backend``: "auto" (default: the Triton kernels on CUDA when they support the
-    model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
+    "searched", "faithful" = the paper's method). ``backend``: "auto" (default: the Triton kernels on CUDA when
+    they support the model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
     "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
     the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
     """
