@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from kascade.models import load_model  # noqa: E402
 from kascade.plan import shipped_plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variants import evaluate  # noqa: E402
+from variants import Log, evaluate  # noqa: E402
 
 MEASURED_GRID = (0.5, 1.0, 1.5, 2.0, 3.0)  # measured; the library's default grid is the capped one (up to 2x)
 
@@ -55,10 +54,7 @@ def main():
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-
-    def log(*x):
-        print(f"[{time.perf_counter() - t0:7.1f} s]", *x, flush=True)
+    log = Log()
 
     import transformers
 

@@ -121,7 +121,8 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
     model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16, num_hidden_layers=5)
     fp = ModelFingerprint.from_model(model)
     I = (0, 1, 2)
-    plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=16, tile=16)
+    # k_min 40 > tile: prefill rows keep min(s, 24) selected keys before scaling (with k_min = tile they keep none)
+    plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=40, tile=16)
     plan = dataclasses.replace(plan, layer_scale=(1.0, 1.0, 1.6, 1.0, 0.5))
     assert plan.ranked and plan.rank_depth(1) == 1.6
     ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(4))
@@ -144,6 +145,14 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
             static = GraphDecoder(model, batch_size=2, max_cache_len=96, use_graph=False).generate(ids[1:].expand(2, -1), 3)
         with kascade.enable(model, plan, backend="reference"):
             ref_static = model.generate(ids[1:].expand(2, -1), max_new_tokens=3, do_sample=False)[:, 90:]
+        # with account=True the prefixes are materialised and counted: the same keys as the reference attends
+        counted = {}
+        for backend in ("reference", "triton"):
+            with kascade.enable(model, plan, backend=backend, account=True) as h:
+                out = model(ids, attention_mask=mask).logits
+            counted[backend] = dict(h.runtime.attended)
+        torch.testing.assert_close(out[real := mask.bool()], ref[real], rtol=1e-4, atol=1e-4)
+        assert counted["triton"] == counted["reference"] and counted["triton"][4][0] < counted["triton"][3][0] < counted["triton"][2][0]
     # ranking depth per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
     assert depths[:3] == [1.0, 1.6, 1.0]
     real = mask.bool()

@@ -229,17 +229,20 @@ def search_anchors(build, scorer, start, num_layers: int, *, max_evals: int = 40
 
 
 def searched_plan(model, stats: CalibrationStats, windows, num_anchors: int, rule: str = "faithful", *,
-                  max_evals: int = 40, progress: bool = True, log=None, **kw) -> tuple[KascadePlan, list]:
-    """Anchors by :func:`search_anchors` from the DP's set, reuse ``rule``, scored on ``windows`` (development)."""
+                  max_evals: int = 40, progress: bool = True, log=None, scorer: DevScorer | None = None,
+                  **kw) -> tuple[KascadePlan, list]:
+    """Anchors by :func:`search_anchors` from the DP's set, reuse ``rule``, scored on ``windows`` (development;
+    or by a ``scorer`` already built on them)."""
     fp = _fp(model)
-    scorer = DevScorer(model, windows)
+    scorer = scorer or DevScorer(model, windows)
     t0 = time.perf_counter()
     best, s, hist = search_anchors(lambda a: plan_for_rule(fp, stats, a, rule, **kw), scorer,
                                    dp_anchors(stats, num_anchors), fp.num_layers, max_evals=max_evals,
                                    progress=progress, log=log)
+    sizes = "/".join(map(str, sorted({w.numel() for w in windows})))
     plan = plan_for_rule(fp, stats, best, rule, source=(
         f"calibrated + searched ({rule}): anchors {list(best)} by measured KL {s['kl']:.4f} on {len(windows)} dev "
-        f"windows of {windows[0].numel()} tokens ({len(hist)} plans in {time.perf_counter() - t0:.0f} s), from the "
+        f"windows of {sizes} tokens ({len(hist)} plans in {time.perf_counter() - t0:.0f} s), from the "
         f"DP over {stats.windows} windows of {stats.seq_len} tokens"), **kw)
     return plan, hist
 
@@ -260,17 +263,11 @@ def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationS
             raise ValueError("method 'measured' needs development windows to score plans on")
         wins = [w for n in lengths for w in search_windows[n]]
         scorer = DevScorer(model, wins)
-        st = stats_by_length[lengths[-1]]
-        best, s, hist = search_anchors(lambda a: plan_for_rule(fp, st, a, "faithful", **kw), scorer,
-                                       dp_anchors(st, num_anchors), fp.num_layers, max_evals=max_evals,
-                                       progress=progress, log=log)
-        plan = plan_for_rule(fp, st, best, "faithful", **kw)
+        plan, _ = searched_plan(model, stats_by_length[lengths[-1]], wins, num_anchors, "faithful",
+                                max_evals=max_evals, progress=progress, log=log, scorer=scorer, **kw)
         sens = layer_sensitivity(scorer, plan, progress=progress, log=log)
-        sizes = "+".join(f"{len(search_windows[n])} x {n}" for n in lengths)
-        return measured_budget_plan(plan, sens, source=(
-            f"calibrated + searched + measured budgets: anchors {list(best)} by measured KL {s['kl']:.4f} on "
-            f"{sizes} dev windows ({len(hist)} plans) from the DP over {st.windows} windows of {st.seq_len} tokens; "
-            f"per-layer budgets {list(MEASURED_GRID)} from each layer's measured sensitivity on the same windows"))
+        return measured_budget_plan(plan, sens, source=f"{plan.source}; per-layer budgets {list(MEASURED_GRID)} "
+                                    "from each layer's measured sensitivity on the same windows (measured budgets)")
     if method == "search":
         if not search_windows:
             raise ValueError("method 'search' needs development windows to score plans on")
@@ -364,9 +361,6 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
     if missing:
         raise ValueError(f"the sensitivity table has no measurement for (layer, scale) {missing[:4]}")
 
-    def cost(l, s):
-        return costs[l][s]
-
     # best[c] = (cost, choices) over the layers so far using c units
     best = {0: (0.0, ())}
     for l in layers:
@@ -376,7 +370,7 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
                 c2 = c + u
                 if c2 > total:
                     continue
-                v2 = v + cost(l, s)
+                v2 = v + costs[l][s]
                 if c2 not in nxt or v2 < nxt[c2][0]:
                     nxt[c2] = (v2, ch + (s,))
         best = nxt

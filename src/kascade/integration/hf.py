@@ -103,7 +103,7 @@ class ForwardState:
     q_offset: int | None
     meta: object = None  # kascade.ops.triton.decode.DecodeMeta in a Triton decode step
     selections: dict[int, Selection] = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)  # prefill, ranked plans: (scale, rows) -> (device counts, max)
+    counts: dict = field(default_factory=dict)  # prefill, ranked plans: (scale, rows) -> (device counts, width)
 
 
 class KascadeRuntime:
@@ -273,8 +273,8 @@ class KascadeRuntime:
         probability, as deep as the largest budget they serve); every layer attends a prefix of its anchor's
         ranking, ``round(scale * c)`` keys per row (:func:`kascade.reuse.row_counts`' rule). The sparse kernel
         cuts each row itself: it gets per-row counts (prefill, computed once per forward and scale) or
-        per-sequence counts (decode, once per step and scale), so no layer copies or masks its indices. With
-        ``account`` the prefix is materialised (:meth:`_prefix`) so that the attended keys can be counted."""
+        per-sequence counts (decode, once per step and scale; :meth:`_prefix_counts`), so no layer copies or masks
+        its indices. With ``account`` the prefix is materialised so that the attended keys can be counted."""
         decode, prefill = self._kernels
         L = q.shape[2]
         if plan.is_anchor(layer):
@@ -295,46 +295,35 @@ class KascadeRuntime:
                 return out
         else:
             order = st.selections[plan.anchor_of(layer)]
-        s = plan.scale_of(layer)
-        if not self.account:  # the sparse kernels attend each row's prefix themselves (counts memoised per forward)
-            if st.meta is not None:
-                cnt = decode.ranked_counts(st.meta, s)
-                K = int(s * st.meta.k_max + 0.5) + 1
-            else:
-                key = (s, order.indices.shape[2])
-                if key not in st.counts:
-                    c = reuse.prefill_counts(self.budget, s, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
-                                             rows=order.indices.shape[2])  # [B, R] on the host
-                    st.counts[key] = (c.to(torch.int32).to(order.indices.device), int(c.max()) if c.numel() else 0)
-                cnt, K = st.counts[key]
-            sel = Selection(order.indices[..., : min(K, order.indices.shape[-1])], order.row_start, order.tile,
-                            order.decode)
-            sel = sel if plan.is_anchor(layer) else self._remap(sel, layer, plan)
-            if st.meta is not None:
-                return decode.sparse_decode(q, k, v, sel.indices, scale=scale, counts=cnt)
-            return prefill.sparse_prefill(q, k, v, sel, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset,
-                                          counts=cnt)
-        sel = self._prefix(order, s, st, L)
+        cnt, K = self._prefix_counts(order, plan.scale_of(layer), st, L)
+        sel = Selection(order.indices[..., :K], order.row_start, order.tile, order.decode)
         sel = sel if plan.is_anchor(layer) else self._remap(sel, layer, plan)
-        if self.account:
+        if self.account:  # materialise the prefix so that the attended keys can be counted
+            rows = cnt[:, None] if st.meta is not None else cnt  # [B, R]
+            keep = torch.arange(K, device=cnt.device) < rows[:, None, :, None]
+            sel = Selection(torch.where(keep, sel.indices, -1), sel.row_start, sel.tile, sel.decode)
             self._count(layer, sel, L, st)
-        return self._sparse(q, k, v, sel, scale, st)
+            return self._sparse(q, k, v, sel, scale, st)
+        if st.meta is not None:  # the sparse kernels attend each row's prefix themselves
+            return decode.sparse_decode(q, k, v, sel.indices, scale=scale, counts=cnt)
+        return prefill.sparse_prefill(q, k, v, sel, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset,
+                                      counts=cnt)
 
-    def _prefix(self, order: Selection, scale: float, st, L: int) -> Selection:
-        """The first ``round(scale * c)`` keys of each ranked row (``c`` the row's faithful budget, capped by its
-        candidates), the rest -1."""
-        idx = order.indices
-        if st.meta is not None:  # decode: counts from the step's device metadata (graph-capturable)
-            n, kb = st.meta.tensor[:, 1].long(), st.meta.tensor[:, 2].long()
-            cnt = torch.minimum(n, torch.floor(kb.double() * scale + 0.5).long())[:, None]  # [B, 1]
-            K = min(idx.shape[-1], int(scale * st.meta.k_max + 0.5) + 1)
-        else:
-            cnt = reuse.prefill_counts(self.budget, scale, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
-                                       rows=idx.shape[2])  # [B, R] on the host
-            K = min(idx.shape[-1], int(cnt.max()) if cnt.numel() else 0)
-            cnt = cnt.to(idx.device)
-        keep = torch.arange(K, device=idx.device) < cnt[:, None, :, None]
-        return Selection(torch.where(keep, idx[..., :K], -1), order.row_start, order.tile, order.decode)
+    def _prefix_counts(self, order: Selection, scale: float, st, L: int) -> tuple[torch.Tensor, int]:
+        """How many keys of each ranked row a layer at budget multiplier ``scale`` attends, ``round(scale * c)``
+        (``c`` the row's faithful budget, capped by its candidates): int32 device counts, ``[B]`` in decode (from
+        the step's device metadata: graph-capturable) or ``[B, R]`` in prefill (host rule, copied once), memoised
+        per step / forward and scale; and the width ``K`` of the index rows they need."""
+        width = order.indices.shape[-1]
+        if st.meta is not None:
+            return self._kernels[0].ranked_counts(st.meta, scale), min(width, int(scale * st.meta.k_max + 0.5) + 1)
+        key = (scale, order.indices.shape[2])
+        if key not in st.counts:
+            c = reuse.prefill_counts(self.budget, scale, kv_start=st.kv_start, q_offset=st.q_offset, L=L,
+                                     rows=order.indices.shape[2])  # [B, R] on the host
+            st.counts[key] = (c.to(torch.int32).to(order.indices.device), int(c.max()) if c.numel() else 0)
+        cnt, most = st.counts[key]
+        return cnt, min(width, most)
 
     def _remap(self, sel: Selection, layer: int, plan: KascadePlan | None = None) -> Selection:
         """The anchor's selection through this layer's head map (a device tensor cached per layer and plan;
