@@ -85,7 +85,7 @@ def main():
         p = measured_budget_plan(base, sens, grid)
         p.save(out / f"plan_{name}.json")
         plans[f"searched + layer budget ({name.replace('_', ', ')})"] = p
-        log(f"{name}: scales {list(p.layer_scale)}")
+        log(f"{name}: scales {list(p.reuse.scale)}")
     chooser = DevScorer(model, dev_windows(a.choose, seed=7))
     res["choose"] = {n: chooser(p) for n, p in plans.items()}
     log("choose (dev): " + "; ".join(f"{n} {v['kl']:.4f}" for n, v in res["choose"].items()))
@@ -105,7 +105,7 @@ def main():
              f"sensitivity on dev windows {a.sens}, choice on other dev windows {a.choose}", "", head,
              "|" + "---|" * (4 + 3 * len(a.eval))]
     for name, p in plans.items():
-        sc = "1" if p.layer_scale is None else f"{min(p.layer_scale[1:]):g}-{max(p.layer_scale):g}"
+        sc = "1" if p.reuse.scale is None else f"{min(p.reuse.scale[1:]):g}-{max(p.reuse.scale):g}"
         mark = " (chosen)" if name == best else ""
         row = f"| {name}{mark} | {list(p.anchors)} | {sc} | {res['choose'][name]['kl']:.4f} |"
         for L in a.eval:

@@ -98,12 +98,13 @@ def describe(plan: KascadePlan | None) -> str:
     if plan is None:
         return ""
     parts = []
-    if plan.sources is not None:
-        parts.append(f"sources (up to {max(len(p) for row in plan.sources for p in row)} per head)")
-    if plan.layer_scale is not None:
-        parts.append(f"layer_scale {min(plan.layer_scale):.2f}-{max(plan.layer_scale):.2f}")
-    if plan.recent:
-        parts.append(f"{plan.sinks} sinks + recent {plan.recent:.0%}")
+    r = plan.reuse
+    if r.sources is not None:
+        parts.append(f"sources (up to {max(len(p) for row in r.sources for p in row)} per head)")
+    if r.scale is not None:
+        parts.append(f"scale {min(r.scale):.2f}-{max(r.scale):.2f}")
+    if r.recent:
+        parts.append(f"{r.sinks} sinks + recent {r.recent:.0%}")
     if plan.by_length:
         parts.append("by_length " + ", ".join(f"<= {m}: {list(p.anchors)}" for m, p in plan.by_length))
     return "; ".join(parts)

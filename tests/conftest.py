@@ -34,3 +34,38 @@ def tiny_model(family: str = "llama", **overrides):
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kw)).eval()
     return model
+
+
+@pytest.fixture
+def forward_states(monkeypatch):
+    """Every forward's state (step, plan, the selections left at its end), in order, as the runtime makes them."""
+    from kascade.integration.runtime import KascadeRuntime
+
+    states, begin = [], KascadeRuntime.begin
+    monkeypatch.setattr(KascadeRuntime, "begin", lambda self, *a: states.append(begin(self, *a)) or states[-1])
+    return states
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The runtime's calls of the public ops: ``[(name, args, kwargs, result)]`` in order (outermost calls only: an
+    op that calls another is recorded once)."""
+    from kascade.integration import runtime
+
+    calls, depth = [], [0]
+
+    def spy(name, orig):
+        def call(*a, **kw):
+            depth[0] += 1
+            try:
+                out = orig(*a, **kw)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                calls.append((name, a, kw, out))
+            return out
+        return call
+
+    for name in ("dense_select", "select", "dense_attention", "sparse_attention"):
+        monkeypatch.setattr(runtime.ops, name, spy(name, getattr(runtime.ops, name)))
+    return calls

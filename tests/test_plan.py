@@ -48,6 +48,10 @@ def test_bad_json_is_refused():
     d["surprise"] = 1
     with pytest.raises(ValueError, match="malformed"):
         KascadePlan.from_dict(d)
+    d = KascadePlan.uniform(FP, 2).to_dict()
+    d["anchors"] = [1, 4]  # well-typed, but not a plan: the plan's own check, named
+    with pytest.raises(ValueError, match="malformed Kascade plan.*layer 0"):
+        KascadePlan.from_dict(d)
 
 
 def test_fingerprint_mismatch_names_the_field():
@@ -63,69 +67,141 @@ def test_fingerprint_mismatch_names_the_field():
     assert default_plan(model).fingerprint == fp
 
 
-# -- kascade-plan/2: issue 8's variant fields ---------------------------------------------------------------------
-def _v2():
+# -- reuse rules and the JSON formats ------------------------------------------------------------------------------
+def _ranked():
     base = KascadePlan(FP, (0, 2, 5), (IDENT,) * 8, calibrated=True, source="base")
     src = [tuple(((a, h),) for h in range(3)) if a in (0, 2, 5) else None for a in range(8)]
     for l in (1, 3, 4, 6, 7):
         src[l] = (((0, 1),), ((0, 2), (0, 0)), (((2 if l > 2 else 0), 0),))
-    short = dataclasses.replace(base, anchors=(0, 3), sinks=4, recent=0.5)
-    return dataclasses.replace(base, sources=tuple(src), layer_scale=(1.0, 1.2, 1, 0.8, 1, 1, 1.1, 0.9),
+    short = base.with_reuse(sinks=4, recent=0.5)
+    short = dataclasses.replace(short, anchors=(0, 3))
+    return dataclasses.replace(base.with_reuse(sources=tuple(src), scale=(1.0, 1.2, 1, 0.8, 1, 1, 1.1, 0.9)),
                                by_length=((1024, short),))
 
 
-def test_v2_json_round_trip_and_v1_stays_v1(tmp_path):
-    p = _v2()
+def test_ranked_plan_json_round_trip(tmp_path):
+    p = _ranked()
     d = p.to_dict()
-    assert d["format"] == "kascade-plan/2" and d["by_length"][0]["max_n"] == 1024
+    assert d["format"] == "kascade-plan/3" and d["by_length"][0]["max_n"] == 1024
+    assert set(d["reuse"]) == {"scale", "sources"} and d["by_length"][0]["plan"]["reuse"] == {"sinks": 4, "recent": 0.5}
     p.save(tmp_path / "p.json")
     q = KascadePlan.load(tmp_path / "p.json")
-    assert q == p and q.ranked and q.by_length[0][1].recent == 0.5 and q.sources[1][1] == ((0, 2), (0, 0))
+    assert q == p and q.ranked and q.by_length[0][1].reuse.recent == 0.5 and q.reuse.sources[1][1] == ((0, 2), (0, 0))
     assert q.for_length(1024).anchors == (0, 3) and q.for_length(1025) is q
-    assert q.rank_depth(0) == 1.2 and q.rank_depth(2) == 1.1 and q.rank_depth(5) == 1.0  # layers drawing on each
-    v1 = KascadePlan.uniform(FP, 3)
-    assert v1.to_dict()["format"] == "kascade-plan/1" and not v1.ranked
-    assert set(v1.to_dict()) == {"format", "fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling",
-                                 "calibrated", "source"}  # an old reader still reads it
-    assert KascadePlan.from_dict(v1.to_dict()) == v1
+    assert q.depth(0) == 1.2 and q.depth(2) == 1.1 and q.depth(5) == 1.0  # the layers drawing on each
+    assert q.last_reader(0) == 7 and q.last_reader(2) == 7 and q.last_reader(5) == 5  # sources: any earlier anchor
+    plain = KascadePlan.uniform(FP, 3)
+    assert not plain.ranked and "reuse" not in plain.to_dict() and KascadePlan.from_dict(plain.to_dict()) == plain
+    assert plain.anchors == (0, 2, 5) and plain.depth(0) == 1.0
+    assert [plain.last_reader(a) for a in plain.anchors] == [1, 4, 7]  # the layers before the next anchor
     assert p.with_budget(ratio=0.2).by_length[0][1].ratio == 0.2  # sub-plans follow budget changes
 
 
-def test_shipped_plans_load_in_both_formats():
+def _as_v2(d: dict) -> dict:
+    """A plan dict written the way kascade-plan/2 files were: reuse fields at the top level, scale named
+    layer_scale."""
+    d = dict(d, format="kascade-plan/2")
+    r = d.pop("reuse", {})
+    names = {"scale": "layer_scale"}
+    d.update({names.get(k, k): v for k, v in r.items()})
+    if "by_length" in d:
+        d["by_length"] = [dict(e, plan=_as_v2(e["plan"])) for e in d["by_length"]]
+    return d
+
+
+def test_older_formats_still_load():
+    p = _ranked()
+    assert KascadePlan.from_dict(_as_v2(p.to_dict())) == p
+    v1 = dict(KascadePlan.uniform(FP, 3).to_dict(), format="kascade-plan/1")
+    assert KascadePlan.from_dict(v1) == KascadePlan.uniform(FP, 3)
+    bad = dict(v1, recent=0.5)
+    with pytest.raises(ValueError, match="unknown field"):
+        KascadePlan.from_dict(bad)  # kascade-plan/1 had no reuse fields
+
+
+def test_shipped_plans_load():
     from kascade.plan import shipped_plans
 
-    v1 = shipped_plans("searched") + shipped_plans("faithful")  # kascade-plan/1 files: anchors + head map
-    assert v1 and all(not p.ranked and p.calibrated for p in v1)
-    v2 = shipped_plans()  # the default: kascade-plan/2 with per-layer budgets
-    assert v2 and all(p.ranked and p.layer_scale is not None and p.calibrated for p in v2)
+    plain = shipped_plans("searched") + shipped_plans("faithful")  # anchors + head map
+    assert plain and all(not p.ranked and p.calibrated for p in plain)
+    ranked = shipped_plans()  # the default: per-layer budgets
+    assert ranked and all(p.ranked and p.reuse.scale is not None and p.calibrated for p in ranked)
 
 
 @pytest.mark.parametrize("changes,needle", [
     (dict(sources=((((0, 0),), ((0, 1),), ((0, 2),)),) * 8), "is an anchor"),
-    (dict(layer_scale=(1.0,) * 7), "one entry per layer"), (dict(layer_scale=(1.0, 0, 1, 1, 1, 1, 1, 1)), "> 0"),
-    (dict(layer_scale=(0.5,) + (1.0,) * 7), "layer 0 is dense"),
+    (dict(scale=(1.0,) * 7), "one entry per layer"), (dict(scale=(1.0, 0, 1, 1, 1, 1, 1, 1)), "> 0"),
+    (dict(scale=(0.5,) + (1.0,) * 7), "layer 0 is dense"),
     (dict(recent=1.5), "recent"), (dict(sinks=4, recent=0.0), "sinks > 0 needs recent"),
+], ids=lambda x: str(x)[:40])
+def test_bad_reuse_fields_are_refused(changes, needle):
+    with pytest.raises(ValueError, match=needle):
+        KascadePlan.uniform(FP, 3).with_reuse(**changes)
+
+
+@pytest.mark.parametrize("changes,needle", [
     (dict(by_length=((0, KascadePlan.uniform(FP, 2)),)), "positive and increasing"),
     (dict(by_length=((100, KascadePlan.uniform(FP, 2, ratio=0.2)),)), "one budget per plan"),
 ], ids=lambda x: str(x)[:40])
-def test_bad_v2_fields_are_refused(changes, needle):
+def test_bad_sub_plans_are_refused(changes, needle):
     with pytest.raises(ValueError, match=needle):
         dataclasses.replace(KascadePlan.uniform(FP, 3), **changes)
 
 
 def test_bad_sources_are_refused():
-    base = _v2()
-    src = list(base.sources)
+    base = _ranked()
+    src = list(base.reuse.sources)
     src[1] = (((2, 0),), ((0, 1),), ((0, 2),))  # layer 1 cannot draw on anchor 2, which comes after it
     with pytest.raises(ValueError, match="not an anchor at or below layer 1"):
-        dataclasses.replace(base, sources=tuple(src))
+        base.with_reuse(sources=tuple(src))
     src[1] = (((0, 0), (0, 0)),) * 3
     with pytest.raises(ValueError, match="distinct"):
-        dataclasses.replace(base, sources=tuple(src))
+        base.with_reuse(sources=tuple(src))
     src[1] = (((0, 3),),) * 3
     with pytest.raises(ValueError, match="outside"):
-        dataclasses.replace(base, sources=tuple(src))
+        base.with_reuse(sources=tuple(src))
+
+
+# -- strict parsing: a file that says something else is refused, naming the field --------------------------------
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d.update(anchors=[0, 2.9]), r"plan.anchors\[1\] must be an integer, got 2.9"),
+    (lambda d: d.update(anchors="02"), r"plan.anchors must be a list, got '02'"),
+    (lambda d: d.update(anchors=[0, True]), r"plan.anchors\[1\] must be an integer, got True"),
+    (lambda d: d.update(rolling="false"), r"plan.rolling must be true or false, got 'false'"),
+    (lambda d: d.update(calibrated="no"), r"plan.calibrated must be true or false, got 'no'"),
+    (lambda d: d.update(k_min=128.0), r"plan.k_min must be an integer, got 128.0"),
+    (lambda d: d.update(tile="32"), r"plan.tile must be an integer, got '32'"),
+    (lambda d: d.update(ratio="0.1"), r"plan.ratio must be a number, got '0.1'"),
+    (lambda d: d["head_map"].__setitem__(1, [0, 1, "2"]), r"plan.head_map\[1\]\[2\] must be an integer"),
+    (lambda d: d["fingerprint"].update(num_layers=8.0), r"plan.fingerprint.num_layers must be an integer"),
+    (lambda d: d.update(reuse={"scale": [1] * 7 + ["1"]}), r"plan.reuse.scale\[7\] must be a number"),
+    (lambda d: d.update(reuse={"sinks": 4.0, "recent": 0.5}), r"plan.reuse.sinks must be an integer"),
+    (lambda d: d.update(reuse={"surprise": 1}), r"plan.reuse has unknown field"),
+    (lambda d: d.update(surprise=1), r"plan has unknown field\(s\) \['surprise'\]"),
+    (lambda d: d.pop("anchors"), r"plan lacks field\(s\) \['anchors'\]"),
+    (lambda d: d.update(format="kascade-plan/9"), r"not a Kascade plan"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_plan_files_are_parsed_strictly(edit, needle):
     d = KascadePlan.uniform(FP, 3).to_dict()
-    d["recent"] = 0.5
-    with pytest.raises(ValueError, match="kascade-plan/1 has no fields"):
+    edit(d)
+    with pytest.raises(ValueError, match=needle):
         KascadePlan.from_dict(d)
+
+
+@pytest.mark.parametrize("text,needle", [("5", "must be a JSON object, got int"), ("[1, 2]", "got list"),
+                                         ("{", "invalid JSON"), ('"plan"', "got str")])
+def test_plan_files_that_are_not_objects_are_refused(tmp_path, text, needle):
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(ValueError, match=needle):
+        KascadePlan.load(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="is a folder"):
+        KascadePlan.load(tmp_path)
+
+
+def test_plans_built_in_code_are_strict_too():
+    with pytest.raises(TypeError, match="anchors must hold integers, got 2.9"):
+        KascadePlan(FP, (0, 2.9), (IDENT,) * 8)
+    with pytest.raises(TypeError, match="rolling must be true or false"):
+        KascadePlan(FP, (0, 2), (IDENT,) * 8, rolling="false")
+    with pytest.raises(ValueError, match="k_min must be an integer"):
+        Budget(k_min=True)

@@ -1,4 +1,4 @@
-"""Ranked reuse (issue 8's variants): the sets it builds, and whole-model behaviour on tiny random models."""
+"""Reuse rules (kascade.reuse): the sets they build, and whole-model behaviour on tiny random models."""
 
 import dataclasses
 
@@ -8,8 +8,8 @@ import torch
 import kascade
 from conftest import tiny_model
 from kascade import Budget, KascadePlan, ModelFingerprint
-from kascade.ops import reference
-from kascade.reuse import RankedSelection, merge_ranked, ranked_select, reuse_selection, row_counts
+from kascade.ops import plan_step, reference
+from kascade.reuse import layer_selection, merge_ranked
 
 HM = ((0, 1, 2), (2, 0, 0), (0, 1, 2), (1, 1, 2))
 # Union of two sources for the reuse layers of a (0, 2)-anchor plan: layer 1 draws on two heads of layer 0,
@@ -46,48 +46,26 @@ def test_merge_ranked_dedups_by_best_priority_and_pads():
     assert got.tolist() == [[3, 5, 7, 9, -1, -1]]  # only 4 distinct keys exist
 
 
-def test_ranked_select_own_set_equals_select_and_ranking_is_deeper():
+def test_ranked_select_prefix_equals_select_and_ranking_is_deeper():
     torch.manual_seed(0)
     q, k = torch.randn(2, 6, 200, 8), torch.randn(2, 3, 200, 8)
     kv_start = torch.tensor([0, 37])
     budget = Budget(ratio=0.1, k_min=8, tile=16)
     kw = dict(budget=budget, scale=8**-0.5, kv_start=kv_start, q_offset=0)
     ref = reference.select(q, k, **kw)
-    r = ranked_select(q, k, depth=2.0, **kw)
-    assert torch.equal(r.indices, ref.indices) and torch.equal(r.row_start, ref.row_start)
-    assert r.order.shape[-1] > ref.indices.shape[-1]
+    r = reference.select(q, k, depth=2.0, **kw)
+    assert r.ranked and torch.equal(r.row_start, ref.row_start)
+    assert r.indices.shape[-1] > ref.indices.shape[-1]
     # the ranking is in descending pooled probability: its prefix of each row's budget is the top-k set
-    counts = torch.tensor(row_counts(budget, 1.0, kv_start=kv_start, q_offset=0, L=200, rows=r.order.shape[2],
-                                     row_start=r.row_start, decode=False))
+    step = plan_step(q, k, budget=budget, kv_start=kv_start, q_offset=0)
+    counts, most = step.counts(1.0)
+    own = r.prefix(counts, most).as_set()
+    assert torch.equal(own.indices, ref.indices)
     for b in range(2):
-        for row in range(r.order.shape[2]):
+        for row in range(r.indices.shape[2]):
             c = int(counts[b, row])
-            assert sorted(r.order[b, 1, row, :c].tolist()) == [x for x in ref.indices[b, 1, row].tolist() if x >= 0]
-
-
-def test_union_and_sink_sets_are_sorted_distinct_padded_and_on_budget():
-    torch.manual_seed(1)
-    model = _model()
-    fp = ModelFingerprint.from_model(model)
-    q, k = torch.randn(1, 6, 300, 8), torch.randn(1, 3, 300, 8)
-    budget = Budget(ratio=0.1, k_min=8, tile=16)
-    kw = dict(budget=budget, scale=8**-0.5, kv_start=torch.tensor([0]), q_offset=0)
-    sels = {0: ranked_select(q, k, **kw), 2: ranked_select(q * 0.5 + 1, k, **kw)}
-    plan = KascadePlan(fp, (0, 2), HM, ratio=0.1, k_min=8, tile=16, sources=UNION, sinks=4, recent=0.5)
-    sel = reuse_selection(plan, 3, sels, budget=budget, kv_start=torch.tensor([0]), q_offset=0, L=300)
-    counts = row_counts(budget, 1.0, kv_start=torch.tensor([0]), q_offset=0, L=300, rows=sel.indices.shape[2],
-                        row_start=sel.row_start, decode=False)[0]
-    for h in range(3):
-        for r, c in enumerate(counts):
-            row = sel.indices[0, h, r].tolist()
-            keys = [x for x in row if x >= 0]
-            assert row == keys + [-1] * (len(row) - len(keys))  # -1 padding at the end
-            assert keys == sorted(set(keys)) and len(keys) == c  # ascending, distinct, exactly the budget
-            s = (int(sel.row_start[0]) + r) * 16
-            assert all(0 <= x < s for x in keys)  # strictly before the tile
-            if c >= 8:  # floor(0.5 c) >= 4: the 4 sinks and the most recent keys are in
-                nf = c // 2
-                assert keys[:4] == [0, 1, 2, 3] and set(range(s - (nf - 4), s)) <= set(keys)
+            assert sorted(r.indices[b, 1, row, :c].tolist()) == [x for x in ref.indices[b, 1, row].tolist() if x >= 0]
+            assert (r.indices[b, 1, row, c:] >= 0).sum() == (budget.row_counts(step.n, step.tiles()[0], step.rows, 2.0)[b, row] - c)
 
 
 def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
@@ -96,7 +74,7 @@ def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
     ids = _ids(300)
     base = _base(model)
     src = tuple(tuple(((base.anchor_of(l), h),) for h in base.head_map[l]) for l in range(4))
-    ranked = dataclasses.replace(base, sources=src, layer_scale=(1.0,) * 4)
+    ranked = base.with_reuse(sources=src, scale=(1.0,) * 4)
     assert ranked.ranked and not base.ranked
     a, acc_a = _run(model, base, ids)
     b, acc_b = _run(model, ranked, ids)
@@ -106,12 +84,12 @@ def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
 @pytest.mark.parametrize("fields", [
     dict(sources=UNION),
     dict(sinks=4, recent=0.5),
-    dict(layer_scale=(1.0, 1.0, 1.5, 2.0)),  # scales >= 1: at full budget every row is still capped at dense
+    dict(scale=(1.0, 1.0, 1.5, 2.0)),  # scales >= 1: at full budget every row is still capped at dense
 ], ids=["union2", "sinks", "layer-budget"])
 def test_variants_at_full_budget_equal_dense(fields):
     model = _model()
     ids = _ids(128)
-    plan = dataclasses.replace(_base(model, ).with_budget(ratio=1.0, k_min=1), **fields)
+    plan = _base(model).with_budget(ratio=1.0, k_min=1).with_reuse(**fields)
     with torch.no_grad():
         dense = model(ids).logits
     got, acc = _run(model, plan, ids)
@@ -126,7 +104,7 @@ def test_union_and_sinks_attend_exactly_the_faithful_budget():
     _, faithful = _run(model, base, ids)
     src = UNION
     for fields in (dict(sources=src), dict(sinks=4, recent=0.5), dict(sources=src, sinks=4, recent=0.5)):
-        out, acc = _run(model, dataclasses.replace(base, **fields), ids)
+        out, acc = _run(model, base.with_reuse(**fields), ids)
         assert acc == faithful, fields  # the same keys per row, counted from the selections
         assert not torch.allclose(out, _run(model, base, ids)[0])  # a different set, not the faithful one
 
@@ -136,7 +114,7 @@ def test_layer_budget_moves_keys_between_layers_and_keeps_the_average():
     ids = _ids(400)
     base = _base(model)
     _, faithful = _run(model, base, ids)
-    _, acc = _run(model, dataclasses.replace(base, layer_scale=(1.0, 1.5, 1.0, 0.5)), ids)
+    _, acc = _run(model, base.with_reuse(scale=(1.0, 1.5, 1.0, 0.5)), ids)
     assert acc[1][0] > faithful[1][0] and acc[3][0] < faithful[3][0] and acc[2] == faithful[2]
     tot = sum(a for a, _ in acc.values())
     ref = sum(a for a, _ in faithful.values())
@@ -144,29 +122,32 @@ def test_layer_budget_moves_keys_between_layers_and_keeps_the_average():
     assert 0.98 * ref <= tot <= ref * 1.001
 
 
-def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful():
+def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful(forward_states):
     model = _model()
     base = _base(model)
     ids = _ids(200)
-    plan = dataclasses.replace(base, sinks=4, recent=0.5, layer_scale=(1.0, 1.3, 1.0, 0.7))
-    with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False, account=True) as h:
+    plan = base.with_reuse(sinks=4, recent=0.5, scale=(1.0, 1.3, 1.0, 0.7))
+    states = forward_states
+    with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False, account=True):
         out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert out.shape == (1, 205)
-    assert h.runtime.state.selections[0].decode  # the last forward was a decode step, ranked
-    assert isinstance(h.runtime.state.selections[2], RankedSelection)
+    assert out.shape == (1, 205) and len(states) == 5  # the prefill and 4 decode steps
+    last = states[-1]
+    assert last.step.decode and sorted(last.selections) == [2]  # the last forward: a decode step, ranked
+    assert last.selections[2].ranked and last.selections[2].decode
 
 
-def test_length_aware_plan_switches_sub_plan_from_n():
+def test_length_aware_plan_switches_sub_plan_from_n(forward_states):
     model = _model()
     fp = ModelFingerprint.from_model(model)
     short = KascadePlan(fp, (0, 1), ((0, 1, 2),) * 4, ratio=0.1, k_min=8, tile=16)
     long = _base(model)
     plan = dataclasses.replace(long, by_length=((256, short),))
     assert plan.for_length(256) is short and plan.for_length(257) is plan and plan.for_length(10) is short
-    for n, anchors in ((200, [0, 1]), (300, [0, 2])):
-        with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False) as h:
+    states = forward_states
+    for n, sub in ((200, short), (300, plan)):
+        with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False):
             model(_ids(n))
-        assert sorted(h.runtime.state.selections) == anchors
+        assert states[-1].plan is sub
     a, _ = _run(model, plan, _ids(200))
     b, _ = _run(model, short, _ids(200))
     assert torch.equal(a, b)
@@ -174,8 +155,8 @@ def test_length_aware_plan_switches_sub_plan_from_n():
 
 def test_ranked_plan_refuses_a_custom_selector():
     model = _model()
-    plan = dataclasses.replace(_base(model), sinks=4, recent=0.5)
-    with pytest.raises(ValueError, match="ranked reuse"):
+    plan = _base(model).with_reuse(sinks=4, recent=0.5)
+    with pytest.raises(ValueError, match="ranked reuse rule"):
         kascade.enable(model, plan, selector=kascade.ops.select, warn_uncalibrated=False)
 
 
@@ -184,7 +165,7 @@ def test_enable_uses_a_shipped_variant_plan(monkeypatch):
     import kascade.plan as plan_mod
 
     model = _model()
-    shipped = dataclasses.replace(_base(model), sinks=4, recent=0.5, calibrated=True)
+    shipped = dataclasses.replace(_base(model).with_reuse(sinks=4, recent=0.5), calibrated=True)
     monkeypatch.setattr(plan_mod, "shipped_plans", lambda: [KascadePlan.from_json(shipped.to_json())])
     ids = _ids(300)
     with torch.no_grad(), kascade.enable(model) as h:

@@ -1,14 +1,46 @@
-"""The spec's budget formulas, in one place.
+"""The spec's budget formulas, in one place: every count of keys Kascade keeps is computed here.
 
-Every count here is in *keys*. ``N`` is the number of valid keys a sequence has in this call (prompt length in
-prefill, cache length in decode); ``s`` is the absolute position of a tile's first query, which is also the
-number of keys strictly before the tile.
+Every count is in *keys*. ``N`` (``n``) is the number of valid keys a sequence has in this call (prompt length in
+prefill, cache length in decode); ``s`` is the absolute position of a tile's first query, which is also the number
+of keys strictly before the tile. The rules take Python ints or integer tensors (host or device, broadcasting),
+with the same float64 arithmetic either way, so the host, the reference ops and the device metadata of a
+CUDA-graph decode step all count the same keys.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
+
+
+def _floor_mul(x, r: float):
+    """``floor(r * x)`` in float64, for an int or an integer tensor."""
+    if isinstance(x, torch.Tensor):
+        return torch.floor(x.double() * r).long()
+    return math.floor(r * x)
+
+
+def _min(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
+    return b.clamp(max=a) if isinstance(b, torch.Tensor) else min(a, b)
+
+
+def _max(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)
+    return b.clamp(min=a) if isinstance(b, torch.Tensor) else max(a, b)
+
+
+def scaled(count, scale: float, limit):
+    """A count at budget multiplier ``scale``: ``min(limit, round(scale * count))`` (halves round up), the keys a
+    layer with a per-layer budget keeps of a row whose faithful count is ``count`` and whose candidates number
+    ``limit``."""
+    if isinstance(count, torch.Tensor):
+        return _min(torch.floor(count.double() * scale + 0.5).long(), limit)
+    return _min(limit, math.floor(scale * count + 0.5))
 
 
 @dataclass(frozen=True)
@@ -27,31 +59,52 @@ class Budget:
     rolling: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.ratio, (int, float)) or not (0.0 < self.ratio <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
-        if not isinstance(self.k_min, int) or self.k_min < 1:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 < self.ratio <= 1.0):
+            raise ValueError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
+        if isinstance(self.k_min, bool) or not isinstance(self.k_min, int) or self.k_min < 1:
             raise ValueError(f"k_min must be an integer >= 1, got {self.k_min!r}")
-        if not isinstance(self.tile, int) or self.tile < 1:
+        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
             raise ValueError(f"tile must be an integer >= 1, got {self.tile!r}")
+        if not isinstance(self.rolling, bool):
+            raise ValueError(f"rolling must be True or False, got {self.rolling!r}")
 
-    def k(self, n: int) -> int:
+    def k(self, n):
         """``k(N) = min(N, max(k_min, floor(ratio * N)))``: keys kept for a context of ``n`` keys."""
-        return min(n, max(self.k_min, math.floor(self.ratio * n)))
+        return _min(n, _max(_floor_mul(n, self.ratio), self.k_min))
 
-    def decode(self, n: int) -> int:
+    def decode(self, n):
         """Keys a decode query selects among all ``n`` keys: ``k(N)``.
 
         The authors' release selects ``k(N) - T`` here; the spec allows either and we keep the full ``k(N)``.
         """
         return self.k(n)
 
-    def prefill_tile(self, s: int, n: int) -> int:
+    def prefill_tile(self, s, n):
         """Keys a prefill tile starting at position ``s`` selects among its ``s`` earlier keys.
 
         Non-rolling: ``min(s, k(N) - T)``; rolling: ``min(s, k(N) - T, max(k_min, floor(ratio * s)))``.
         The tile's own keys are attended on top of these.
         """
-        b = min(s, self.k(n) - self.tile)
+        b = _min(s, self.k(n) - self.tile)
         if self.rolling:
-            b = min(b, max(self.k_min, math.floor(self.ratio * s)))
-        return max(b, 0)
+            b = _min(b, _max(_floor_mul(s, self.ratio), self.k_min))
+        return _max(b, 0)
+
+    # -- the rows of one call ------------------------------------------------------------------------------------
+    def tiles(self, n, queries: int):
+        """``(first tile, tiles)`` of a prefill call whose ``queries`` queries are the last of a sequence's ``n``
+        keys (ints, or ``[B]`` tensors): the tiles holding a query of this call, from the first."""
+        first = (n - _min(n, queries)) // self.tile
+        return first, (n - 1) // self.tile - first + 1
+
+    def row_counts(self, n, first_tile, rows: int, scale: float = 1.0) -> torch.Tensor:
+        """Keys each prefill row of a call keeps, ``[B, rows]`` int64: row ``r`` of sequence ``b`` is tile
+        ``first_tile[b] + r`` (``n``, ``first_tile``: ``[B]`` integer tensors), keeping
+        ``scaled(prefill_tile(s, n), scale, s)`` keys, 0 for rows past the sequence's last tile."""
+        s = (first_tile[:, None] + torch.arange(rows, device=first_tile.device)[None, :]) * self.tile
+        c = scaled(self.prefill_tile(s, n[:, None]), scale, s)
+        return torch.where(s < n[:, None], c, 0)
+
+    def decode_counts(self, n, scale: float = 1.0):
+        """Keys a decode query keeps at budget multiplier ``scale``: ``scaled(decode(n), scale, n)``."""
+        return scaled(self.decode(n), scale, n)

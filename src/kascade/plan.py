@@ -2,6 +2,10 @@
 
 A plan is made once per model (by calibration, or the uncalibrated uniform default), saved as JSON, and checked
 against the model it is enabled on through a fingerprint of the attention shapes.
+
+JSON formats: ``kascade-plan/3`` is written; ``kascade-plan/1`` (anchors, head map, budget) and ``kascade-plan/2``
+(the reuse-rule fields at the top level) still load. Files are parsed strictly: an integer field holds an integer, a
+boolean field ``true`` or ``false``, and an error names the field and the value it found.
 """
 
 from __future__ import annotations
@@ -9,11 +13,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
 from .budget import Budget
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _ints(name: str, values) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; TypeError naming ``name`` for anything that is not an integer."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of integers, got {values!r}")
+    values = tuple(values)
+    bad = [v for v in values if not _is_int(v)]
+    if bad:
+        raise TypeError(f"{name} must hold integers, got {bad[0]!r} in {list(values)}")
+    return tuple(int(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -27,10 +52,13 @@ class ModelFingerprint:
     head_dim: int
 
     def __post_init__(self):
+        if not isinstance(self.architecture, str):
+            raise TypeError(f"fingerprint architecture must be a string, got {self.architecture!r}")
         for f in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             x = getattr(self, f)
-            if not isinstance(x, int) or x < 1:
+            if not _is_int(x) or x < 1:
                 raise ValueError(f"fingerprint {f} must be a positive integer, got {x!r}")
+            object.__setattr__(self, f, int(x))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"query heads ({self.num_q_heads}) must be a multiple of KV heads ({self.num_kv_heads})")
 
@@ -59,6 +87,77 @@ class ModelFingerprint:
 
 
 @dataclass(frozen=True)
+class Reuse:
+    """How the reuse layers of a plan build their key sets from the anchors' selections (:mod:`kascade.reuse`).
+
+    The default is the paper's rule: KV head ``h`` of a reuse layer attends the set that head ``head_map[l][h]`` of
+    the nearest anchor below chose, at the plan's budget. Each field changes one thing:
+
+    scale:   per layer, a multiplier of the row budget (layer 0, dense, keeps 1.0): the layer attends the first
+             ``round(scale * c)`` keys of its source's ranking (``c`` the row's budget). Anchors then rank their
+             keys as deep as the largest scale among the layers they serve (:meth:`KascadePlan.depth`).
+    sources: per layer, per KV head, the ``(anchor layer, anchor KV head)`` pairs whose rankings the head reuses
+             (one: follow that head, which may belong to any earlier anchor; two: their union, merged rank by
+             rank). Anchor layers list themselves. When set it replaces the head map for reuse layers.
+    sinks, recent: a reuse row keeps the first ``sinks`` keys plus the most recent keys, ``recent`` of its budget
+             in all (sinks included), and fills the rest from its sources' rankings.
+
+    A plan with any field set is *ranked*: its anchors keep their keys in rank order (descending pooled
+    probability) instead of as a set.
+    """
+
+    scale: tuple[float, ...] | None = None
+    sources: tuple | None = None
+    sinks: int = 0
+    recent: float = 0.0
+
+    def __post_init__(self):
+        if self.scale is not None:
+            if isinstance(self.scale, (str, bytes)) or not hasattr(self.scale, "__iter__"):
+                raise TypeError(f"reuse scale must be a sequence of numbers, got {self.scale!r}")
+            bad = [x for x in self.scale if not _is_number(x)]
+            if bad:
+                raise TypeError(f"reuse scale must hold numbers, got {bad[0]!r}")
+            object.__setattr__(self, "scale", tuple(float(x) for x in self.scale))
+            if not all(math.isfinite(x) and x > 0 for x in self.scale):
+                raise ValueError(f"reuse scale entries must be finite and > 0, got {list(self.scale)}")
+        if self.sources is not None:
+            try:
+                src = tuple(tuple(tuple(_ints("a source pair", pair) for pair in head) for head in row)
+                            for row in self.sources)
+            except TypeError as e:
+                raise TypeError(f"reuse sources must be [layer][head][(anchor layer, anchor head), ...]: {e}") from None
+            for row in src:
+                for head in row:
+                    if any(len(p) != 2 for p in head):
+                        raise ValueError(f"reuse sources must name (anchor layer, anchor head) pairs, got {head}")
+            object.__setattr__(self, "sources", src)
+        if not _is_int(self.sinks) or self.sinks < 0:
+            raise ValueError(f"reuse sinks must be an integer >= 0, got {self.sinks!r}")
+        if not _is_number(self.recent) or not 0.0 <= self.recent <= 1.0:
+            raise ValueError(f"reuse recent must be a number in [0, 1], got {self.recent!r}")
+        if self.sinks and not self.recent:
+            raise ValueError("reuse sinks > 0 needs recent > 0: the sinks are counted inside the recent share of "
+                             "the budget")
+
+    @property
+    def ranked(self) -> bool:
+        """Whether any field departs from the paper's rule (anchors then keep rank order)."""
+        return self.scale is not None or self.sources is not None or self.recent > 0
+
+    def to_dict(self) -> dict:
+        """The fields that are set, JSON-ready (empty for the paper's rule)."""
+        d = {}
+        if self.scale is not None:
+            d["scale"] = list(self.scale)
+        if self.sources is not None:
+            d["sources"] = [[[list(p) for p in head] for head in row] for row in self.sources]
+        if self.recent:
+            d["sinks"], d["recent"] = self.sinks, self.recent
+        return d
+
+
+@dataclass(frozen=True)
 class KascadePlan:
     """Anchors, head map and budget for one model.
 
@@ -68,19 +167,10 @@ class KascadePlan:
     ratio, k_min, tile, rolling: the budget (see :class:`kascade.budget.Budget`).
     calibrated: False for the uniform default that no calibration chose.
     source:     a human-readable note on where the plan came from.
-
-    Optional variant fields (issue 8; format ``kascade-plan/2`` when any is set, see :mod:`kascade.reuse`):
-
-    sources:     per layer, per KV head, the ``(anchor layer, anchor KV head)`` pairs whose rankings the head
-                 reuses (one: follow that head, which may belong to any earlier anchor; two: the union, merged
-                 rank by rank). Anchor layers list themselves. When set it replaces ``head_map`` for reuse layers.
-    layer_scale: per layer, a multiplier of the row budget (layer 0, dense, must be 1.0). An anchor ranks as many
-                 keys as the largest budget among the layers it serves; each layer takes a prefix.
-    sinks, recent: a reuse row keeps the first ``sinks`` keys plus the most recent keys, ``recent`` of its budget
-                 in all (sinks included), and fills the rest from its sources' rankings.
-    by_length:   ``((max_n, plan), ...)`` with increasing ``max_n``: a forward whose longest sequence has at most
-                 ``max_n`` keys uses that sub-plan (the first that fits); longer ones use this plan's own fields.
-"""
+    reuse:      the reuse rule (:class:`Reuse`; default: the paper's).
+    by_length:  ``((max_n, plan), ...)`` with increasing ``max_n``: a forward whose longest sequence has at most
+                ``max_n`` keys uses that sub-plan (the first that fits); longer ones use this plan's own fields.
+    """
 
     fingerprint: ModelFingerprint
     anchors: tuple[int, ...]
@@ -91,15 +181,23 @@ class KascadePlan:
     rolling: bool = True
     calibrated: bool = False
     source: str = ""
-    sources: tuple | None = None
-    layer_scale: tuple[float, ...] | None = None
-    sinks: int = 0
-    recent: float = 0.0
+    reuse: Reuse = Reuse()
     by_length: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "anchors", tuple(int(a) for a in self.anchors))
-        object.__setattr__(self, "head_map", tuple(tuple(int(h) for h in row) for row in self.head_map))
+        if not isinstance(self.fingerprint, ModelFingerprint):
+            raise TypeError(f"fingerprint must be a ModelFingerprint, got {type(self.fingerprint).__name__}")
+        object.__setattr__(self, "anchors", _ints("anchors", self.anchors))
+        if isinstance(self.head_map, (str, bytes)) or not hasattr(self.head_map, "__iter__"):
+            raise TypeError(f"head_map must be one row of KV heads per layer, got {self.head_map!r}")
+        object.__setattr__(self, "head_map", tuple(_ints(f"head_map[{i}]", row) for i, row in enumerate(self.head_map)))
+        for name in ("rolling", "calibrated"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.source, str):
+            raise TypeError(f"source must be a string, got {self.source!r}")
+        if not isinstance(self.reuse, Reuse):
+            raise TypeError(f"reuse must be a kascade.plan.Reuse, got {type(self.reuse).__name__}")
         fp = self.fingerprint
         n, H = fp.num_layers, fp.num_kv_heads
         a = self.anchors
@@ -119,49 +217,47 @@ class KascadePlan:
             if layer in a and row != tuple(range(H)):
                 raise ValueError(f"head_map[{layer}] must be the identity: layer {layer} is an anchor")
         self.budget  # validates ratio, k_min, tile
-        self._check_variant_fields()
+        self._check_reuse()
+        self._check_by_length()
 
-    def _check_variant_fields(self):
-        n, H, a = self.num_layers, self.fingerprint.num_kv_heads, self.anchors
-        if self.sources is not None:
-            src = tuple(tuple(tuple((int(x), int(y)) for x, y in head) for head in row) for row in self.sources)
-            object.__setattr__(self, "sources", src)
-            if len(src) != n:
-                raise ValueError(f"sources must have one row per layer ({n}), got {len(src)}")
-            for layer, row in enumerate(src):
+    def _check_reuse(self):
+        n, H, a, r = self.num_layers, self.fingerprint.num_kv_heads, self.anchors, self.reuse
+        if r.sources is not None:
+            if len(r.sources) != n:
+                raise ValueError(f"reuse sources must have one row per layer ({n}), got {len(r.sources)}")
+            for layer, row in enumerate(r.sources):
                 if len(row) != H:
-                    raise ValueError(f"sources[{layer}] must have {H} entries (KV heads), got {len(row)}")
+                    raise ValueError(f"reuse sources[{layer}] must have {H} entries (KV heads), got {len(row)}")
                 for h, pairs in enumerate(row):
                     if layer in a:
                         if pairs != ((layer, h),):
-                            raise ValueError(f"sources[{layer}][{h}] must be (({layer}, {h}),): layer {layer} is an "
-                                             f"anchor, got {pairs}")
+                            raise ValueError(f"reuse sources[{layer}][{h}] must be (({layer}, {h}),): layer {layer} "
+                                             f"is an anchor, got {pairs}")
                         continue
                     if not 1 <= len(pairs) <= 2 or len(set(pairs)) != len(pairs):
-                        raise ValueError(f"sources[{layer}][{h}] must name one or two distinct (anchor, head) "
+                        raise ValueError(f"reuse sources[{layer}][{h}] must name one or two distinct (anchor, head) "
                                          f"pairs, got {pairs}")
                     for al, ah in pairs:
                         if al not in a or al > layer:
-                            raise ValueError(f"sources[{layer}][{h}] names layer {al}, which is not an anchor at "
-                                             f"or below layer {layer} (anchors {list(a)})")
+                            raise ValueError(f"reuse sources[{layer}][{h}] names layer {al}, which is not an anchor "
+                                             f"at or below layer {layer} (anchors {list(a)})")
                         if not 0 <= ah < H:
-                            raise ValueError(f"sources[{layer}][{h}] names head {ah}, outside 0..{H - 1}")
-        if self.layer_scale is not None:
-            ls = tuple(float(x) for x in self.layer_scale)
-            object.__setattr__(self, "layer_scale", ls)
-            if len(ls) != n:
-                raise ValueError(f"layer_scale must have one entry per layer ({n}), got {len(ls)}")
-            if not all(math.isfinite(x) and x > 0 for x in ls):
-                raise ValueError(f"layer_scale entries must be finite and > 0, got {list(ls)}")
-            if ls[0] != 1.0:
-                raise ValueError(f"layer_scale[0] must be 1.0 (layer 0 is dense), got {ls[0]}")
-        if not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
-        if not isinstance(self.recent, (int, float)) or not 0.0 <= self.recent <= 1.0:
-            raise ValueError(f"recent must be in [0, 1], got {self.recent!r}")
-        if self.sinks and not self.recent:
-            raise ValueError("sinks > 0 needs recent > 0: the sinks are counted inside the recent share of the budget")
-        bl = tuple((int(m), p) for m, p in self.by_length)
+                            raise ValueError(f"reuse sources[{layer}][{h}] names head {ah}, outside 0..{H - 1}")
+        if r.scale is not None:
+            if len(r.scale) != n:
+                raise ValueError(f"reuse scale must have one entry per layer ({n}), got {len(r.scale)}")
+            if r.scale[0] != 1.0:
+                raise ValueError(f"reuse scale[0] must be 1.0 (layer 0 is dense), got {r.scale[0]}")
+
+    def _check_by_length(self):
+        bl = self.by_length
+        if isinstance(bl, (str, bytes)) or not hasattr(bl, "__iter__"):
+            raise TypeError(f"by_length must be a sequence of (max_n, plan) pairs, got {bl!r}")
+        bl = tuple(tuple(e) for e in bl)
+        for i, e in enumerate(bl):
+            if len(e) != 2 or not _is_int(e[0]):
+                raise TypeError(f"by_length[{i}] must be a (max_n: int, plan) pair, got {e!r}")
+        bl = tuple((int(m), p) for m, p in bl)
         object.__setattr__(self, "by_length", bl)
         for i, (m, p) in enumerate(bl):
             if not isinstance(p, KascadePlan):
@@ -176,12 +272,11 @@ class KascadePlan:
             if p.budget != self.budget:
                 raise ValueError(f"by_length[{i}] has budget {p.budget}, the plan {self.budget}: one budget per plan")
 
-    # -- variants ----------------------------------------------------------------------------------------------
+    # -- the reuse rule ----------------------------------------------------------------------------------------
     @property
     def ranked(self) -> bool:
-        """Whether reuse layers build their sets from anchors' rankings (any variant field set) rather than by the
-        faithful head-map remap."""
-        return self.sources is not None or self.layer_scale is not None or self.recent > 0
+        """Whether the anchors keep their keys in rank order (the reuse rule is not the paper's)."""
+        return self.reuse.ranked
 
     def for_length(self, n: int) -> "KascadePlan":
         """The (sub-)plan that serves a forward whose longest sequence has ``n`` keys."""
@@ -192,22 +287,34 @@ class KascadePlan:
 
     def sources_of(self, layer: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per KV head of ``layer``: the (anchor layer, anchor head) pairs it reuses."""
-        if self.sources is not None:
-            return self.sources[layer]
+        if self.reuse.sources is not None:
+            return self.reuse.sources[layer]
         a = self.anchor_of(layer)
         return tuple(((a, h),) for h in self.head_map[layer])
 
-    def scale_of(self, layer: int) -> float:
-        return 1.0 if self.layer_scale is None else self.layer_scale[layer]
+    def scale(self, layer: int) -> float:
+        """The multiplier of ``layer``'s row budget (1 under the paper's rule)."""
+        return 1.0 if self.reuse.scale is None else self.reuse.scale[layer]
 
-    def rank_depth(self, anchor: int) -> float:
-        """How many keys (as a multiple of the row budget) ``anchor`` must rank: the largest budget among the
-        layers whose sets draw on it, its own included."""
-        depth = self.scale_of(anchor)
+    def depth(self, anchor: int) -> float:
+        """How deep ``anchor`` ranks its keys, as a multiple of the row budget: the largest scale among the layers
+        whose sets draw on it, its own included."""
+        return max(self.scale(l) for l in self._readers[anchor])
+
+    def last_reader(self, anchor: int) -> int:
+        """The last layer that reads ``anchor``'s selection (after it, the selection can be dropped)."""
+        return max(self._readers[anchor])
+
+    @cached_property
+    def _readers(self) -> dict[int, tuple[int, ...]]:
+        """Per anchor, the layers that use its selection (itself included)."""
+        readers = {a: {a} for a in self.anchors}
         for layer in range(self.num_layers):
-            if not self.is_anchor(layer) and any(al == anchor for pairs in self.sources_of(layer) for al, _ in pairs):
-                depth = max(depth, self.scale_of(layer))
-        return depth
+            if not self.is_anchor(layer):
+                for pairs in self.sources_of(layer):
+                    for al, _ in pairs:
+                        readers[al].add(layer)
+        return {a: tuple(sorted(r)) for a, r in readers.items()}
 
     # -- structure ---------------------------------------------------------------------------------------------
     @property
@@ -233,13 +340,17 @@ class KascadePlan:
         subs = tuple((m, dataclasses.replace(p, **changes)) for m, p in self.by_length)
         return dataclasses.replace(self, by_length=subs, **changes)
 
+    def with_reuse(self, **changes) -> "KascadePlan":
+        """A copy whose reuse rule has other fields (``scale``, ``sources``, ``sinks``, ``recent``)."""
+        return dataclasses.replace(self, reuse=dataclasses.replace(self.reuse, **changes))
+
     # -- constructors ------------------------------------------------------------------------------------------
     @classmethod
     def uniform(cls, fingerprint: ModelFingerprint, num_anchors: int = 6, **budget) -> "KascadePlan":
         """Uncalibrated default: layer 0 plus evenly spaced anchors, identity head map."""
         n = fingerprint.num_layers
-        if not 1 <= num_anchors <= n:
-            raise ValueError(f"num_anchors must be in 1..{n}, got {num_anchors}")
+        if not _is_int(num_anchors) or not 1 <= num_anchors <= n:
+            raise ValueError(f"num_anchors must be in 1..{n}, got {num_anchors!r}")
         anchors = sorted({math.floor(i * n / num_anchors) for i in range(num_anchors)})
         ident = tuple(range(fingerprint.num_kv_heads))
         return cls(fingerprint, tuple(anchors), (ident,) * n, calibrated=False,
@@ -262,56 +373,150 @@ class KascadePlan:
 
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-ready dict: format ``kascade-plan/1`` for a faithful plan (readable by older versions),
-        ``kascade-plan/2`` when any variant field is set (only the fields that are set are written)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _V2_FIELDS}
-        d["fingerprint"] = dataclasses.asdict(self.fingerprint)
-        d["anchors"] = list(self.anchors)
-        d["head_map"] = [list(r) for r in self.head_map]
-        v2 = {}
-        if self.sources is not None:
-            v2["sources"] = [[[list(p) for p in head] for head in row] for row in self.sources]
-        if self.layer_scale is not None:
-            v2["layer_scale"] = list(self.layer_scale)
-        if self.recent:
-            v2["sinks"], v2["recent"] = self.sinks, self.recent
+        """JSON-ready dict in format ``kascade-plan/3`` (``reuse`` and ``by_length`` only when set)."""
+        d = {"format": FORMAT, "fingerprint": dataclasses.asdict(self.fingerprint), "anchors": list(self.anchors),
+             "head_map": [list(r) for r in self.head_map], "ratio": self.ratio, "k_min": self.k_min,
+             "tile": self.tile, "rolling": self.rolling, "calibrated": self.calibrated, "source": self.source}
+        if self.reuse.ranked:
+            d["reuse"] = self.reuse.to_dict()
         if self.by_length:
-            v2["by_length"] = [dict(max_n=m, plan=p.to_dict()) for m, p in self.by_length]
-        return {"format": "kascade-plan/2" if v2 else "kascade-plan/1", **d, **v2}
+            d["by_length"] = [dict(max_n=m, plan=p.to_dict()) for m, p in self.by_length]
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KascadePlan":
-        d = dict(d)
-        fmt = d.pop("format", None)
-        if fmt not in FORMATS:
-            raise ValueError(f"not a Kascade plan (format {fmt!r}, expected one of {FORMATS})")
-        if fmt == "kascade-plan/1" and set(d) & _V2_FIELDS:
-            raise ValueError(f"malformed Kascade plan: kascade-plan/1 has no fields {sorted(set(d) & _V2_FIELDS)}")
-        try:
-            fp = ModelFingerprint(**d.pop("fingerprint"))
-            if "by_length" in d:
-                d["by_length"] = tuple((int(e["max_n"]), cls.from_dict(e["plan"])) for e in d["by_length"])
-            return cls(fingerprint=fp, **d)
-        except (TypeError, KeyError) as e:
-            raise ValueError(f"malformed Kascade plan: {e}") from None
+    def from_dict(cls, d) -> "KascadePlan":
+        """A plan from its JSON form (any of :data:`FORMATS`), checked strictly; ValueError naming the field."""
+        return _parse(d, "plan")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "KascadePlan":
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a Kascade plan: invalid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(d)
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path) -> "KascadePlan":
-        return cls.from_json(Path(path).read_text())
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"no plan file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
+        return cls.from_json(path.read_text())
 
 
-FORMATS = ("kascade-plan/1", "kascade-plan/2")
-_V2_FIELDS = frozenset({"sources", "layer_scale", "sinks", "recent", "by_length"})
+FORMAT = "kascade-plan/3"
+FORMATS = ("kascade-plan/1", "kascade-plan/2", FORMAT)
+_V2_REUSE = {"sources": "sources", "layer_scale": "scale", "sinks": "sinks", "recent": "recent"}
+_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "calibrated", "source"}
+
+
+class _Field:
+    """Strict reading of one JSON value: ``where`` names it in errors (``plan.anchors[2]``)."""
+
+    @staticmethod
+    def fail(where, want, value):
+        raise ValueError(f"malformed Kascade plan: {where} must be {want}, got {value!r}")
+
+    @classmethod
+    def int(cls, where, v):
+        if not _is_int(v):
+            cls.fail(where, "an integer", v)
+        return int(v)
+
+    @classmethod
+    def number(cls, where, v):
+        if not _is_number(v):
+            cls.fail(where, "a number", v)
+        return float(v) if not _is_int(v) else v
+
+    @classmethod
+    def bool(cls, where, v):
+        if not isinstance(v, bool):
+            cls.fail(where, "true or false", v)
+        return v
+
+    @classmethod
+    def str(cls, where, v):
+        if not isinstance(v, str):
+            cls.fail(where, "a string", v)
+        return v
+
+    @classmethod
+    def list(cls, where, v):
+        if not isinstance(v, list):
+            cls.fail(where, "a list", v)
+        return v
+
+    @classmethod
+    def obj(cls, where, v, keys, required=()):
+        if not isinstance(v, dict):
+            cls.fail(where, "a JSON object", v)
+        unknown = sorted(set(v) - set(keys))
+        if unknown:
+            raise ValueError(f"malformed Kascade plan: {where} has unknown field(s) {unknown}")
+        missing = [k for k in required if k not in v]
+        if missing:
+            raise ValueError(f"malformed Kascade plan: {where} lacks field(s) {missing}")
+        return v
+
+
+def _parse(d, where: str) -> KascadePlan:
+    F = _Field
+    if not isinstance(d, dict):
+        raise ValueError(f"not a Kascade plan: {where} must be a JSON object, got {type(d).__name__} {d!r:.60}")
+    fmt = d.get("format")
+    if fmt not in FORMATS:
+        raise ValueError(f"not a Kascade plan ({where}.format is {fmt!r}, expected one of {list(FORMATS)})")
+    keys = {"format", *_BASE_FIELDS}
+    keys |= {"reuse", "by_length"} if fmt == FORMAT else set(_V2_REUSE) | {"by_length"} if fmt != FORMATS[0] else set()
+    F.obj(where, d, keys, required=("fingerprint", "anchors", "head_map"))
+    fpd = F.obj(f"{where}.fingerprint", d["fingerprint"],
+                ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"),
+                required=("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"))
+    fp = dict(architecture=F.str(f"{where}.fingerprint.architecture", fpd["architecture"]),
+              **{k: F.int(f"{where}.fingerprint.{k}", fpd[k]) for k in ("num_layers", "num_q_heads", "num_kv_heads",
+                                                                        "head_dim")})
+    anchors = [F.int(f"{where}.anchors[{i}]", a) for i, a in enumerate(F.list(f"{where}.anchors", d["anchors"]))]
+    head_map = [[F.int(f"{where}.head_map[{l}][{h}]", x) for h, x in enumerate(F.list(f"{where}.head_map[{l}]", row))]
+                for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
+    kw = {}
+    for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
+                       ("calibrated", F.bool), ("source", F.str)):
+        if name in d:
+            kw[name] = read(f"{where}.{name}", d[name])
+    if fmt == FORMAT:
+        r = F.obj(f"{where}.reuse", d.get("reuse", {}), ("scale", "sources", "sinks", "recent"))
+    else:
+        r = {_V2_REUSE[k]: d[k] for k in _V2_REUSE if k in d}
+    reuse = {}
+    if "scale" in r:
+        reuse["scale"] = [F.number(f"{where}.reuse.scale[{i}]", x) for i, x in
+                          enumerate(F.list(f"{where}.reuse.scale", r["scale"]))]
+    if "sources" in r:
+        reuse["sources"] = [
+            [[[F.int(f"{where}.reuse.sources[{l}][{h}][{j}]", x) for x in F.list(f"{where}.reuse.sources[{l}][{h}][{j}]", p)]
+              for j, p in enumerate(F.list(f"{where}.reuse.sources[{l}][{h}]", head))]
+             for h, head in enumerate(F.list(f"{where}.reuse.sources[{l}]", row))]
+            for l, row in enumerate(F.list(f"{where}.reuse.sources", r["sources"]))]
+    if "sinks" in r:
+        reuse["sinks"] = F.int(f"{where}.reuse.sinks", r["sinks"])
+    if "recent" in r:
+        reuse["recent"] = F.number(f"{where}.reuse.recent", r["recent"])
+    by_length = []
+    for i, e in enumerate(F.list(f"{where}.by_length", d.get("by_length", []))):
+        e = F.obj(f"{where}.by_length[{i}]", e, ("max_n", "plan"), required=("max_n", "plan"))
+        by_length.append((F.int(f"{where}.by_length[{i}].max_n", e["max_n"]), _parse(e["plan"], f"{where}.by_length[{i}].plan")))
+    try:
+        return KascadePlan(ModelFingerprint(**fp), tuple(anchors), tuple(map(tuple, head_map)), reuse=Reuse(**reuse),
+                           by_length=tuple(by_length), **kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"malformed Kascade plan ({where}): {e}") from None
 
 
 # Shipped plans: ``plans/<model>.json`` is the default; ``plans/<variant>/<model>.json`` are the alternatives a user
@@ -324,8 +529,6 @@ SHIPPED_VARIANTS = {
                 "cheapest decode selection)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
 }
-
-
 def shipped_plans(variant: str = "default") -> list[KascadePlan]:
     """The calibrated plans that ship inside the package for ``variant`` (see :data:`SHIPPED_VARIANTS`)."""
     if variant not in SHIPPED_VARIANTS:

@@ -1,143 +1,79 @@
-"""Richer reuse (issue 8): index sets built from anchors' *rankings* instead of their fixed top-k sets.
+"""Reuse: which keys each layer attends, given the selections its plan's anchors made in this forward step.
 
-The faithful method hands a reuse layer its anchor's top-k set through the head map. A plan with variant fields
-(:attr:`kascade.KascadePlan.ranked`) instead has every anchor rank its keys (descending pooled probability, the
-same exact pooling as :func:`kascade.ops.select`) as deep as the largest budget among the layers it serves, and
-builds each reuse row from those rankings:
+Every rule of the plan's :class:`~kascade.plan.Reuse` lives here, each one function with the reference semantics;
+:func:`layer_selection` applies them. What comes out is a :class:`~kascade.ops.Selection` the sparse attention op
+runs on (reference or Triton), so the rules cost nothing beyond building it:
 
-- ``layer_scale``: a layer keeps ``round(scale * c)`` keys of a row whose faithful budget is ``c`` (never more
-  than the row's candidates): the prefix of its source's ranking.
-- ``sources``: a reuse head may follow any earlier anchor's head, or two of them; two rankings are merged rank by
-  rank (first, second, first, second, ...), skipping keys already taken, so the union has exactly the budget.
-- ``sinks`` / ``recent``: the first ``sinks`` keys and the most recent ones, ``floor(recent * c)`` keys in all,
-  are taken first; the rest of the budget comes from the rankings.
-
-Every result is a standard :class:`~kascade.ops.Selection` (ascending, -1 padded), so sparse attention (reference
-or Triton) runs on it unchanged. This module is the specification of these variants, in plain PyTorch.
-
-Extra kernel work a fast path would need: the anchor's top-k must emit its indices in rank order (or with their
-scores) to depth ``max scale * c`` instead of sorted ascending at depth ``c`` (the radix top-k already finds
-them; only the final ordering and a larger k change), and reuse layers need a small per-(head, row) kernel that
-takes a prefix / merges two prefixes with the forced keys, deduplicates and sorts: O(k log k) per row, against the
-O(k D) attention over the same row.
+- **head map** (the paper): KV head ``h`` of a reuse layer takes its anchor's head ``head_map[l][h]``
+  (:func:`remap`; an identity map reuses the anchor's indices as they are).
+- **per-layer budgets** (``scale``): the anchors rank their keys (descending pooled probability) as deep as the
+  largest budget among the layers they serve; a layer attends the first ``round(scale * c)`` keys of its row's
+  ranking (:func:`prefix`, ``c`` the row's faithful budget, counted by :meth:`kascade.ops.Step.counts`). The
+  result is a *prefix view*: the Triton kernels cut each row themselves, the reference reads it as a set.
+- **sources** (any earlier anchor's head, or the union of two) and **sinks + recent** (the first keys and the most
+  recent ones take a share of the budget): the rankings are merged rank by rank, skipping keys already taken, so
+  the union has exactly the budget (:func:`merged`; materialised, ascending).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import functools
 
 import torch
 
-from .budget import Budget
-from .ops import reference
-from .ops.selection import Selection, stack_rows
+from .ops.selection import Selection, sort_padded
+from .ops.step import Step
+from .plan import KascadePlan
 
 _BIG = torch.iinfo(torch.long).max
 
 
-@dataclass(frozen=True)
-class RankedSelection(Selection):
-    """An anchor's selection (``indices``: its own set, as in :class:`Selection`) plus ``order [B, H, R, Kr]``:
-    key slots in descending pooled probability, -1 padded, deep enough for every layer that draws on it."""
-
-    order: torch.Tensor | None = None
+@functools.lru_cache(maxsize=4096)
+def _head_map(plan: KascadePlan, layer: int, device: torch.device) -> torch.Tensor | None:
+    row = plan.head_map[layer]
+    return None if row == tuple(range(len(row))) else torch.tensor(row, dtype=torch.long).to(device)
 
 
-def _scaled(count: int, scale: float, limit: int) -> int:
-    return min(limit, int(math.floor(scale * count + 0.5)))
+def remap(plan: KascadePlan, layer: int, sel: Selection) -> Selection:
+    """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer and device;
+    an identity map returns ``sel`` itself)."""
+    hm = _head_map(plan, layer, sel.indices.device)
+    return sel if hm is None else sel.take_heads(hm)
 
 
-def row_counts(budget: Budget, scale: float, *, kv_start: torch.Tensor, q_offset: int, L: int, rows: int,
-               row_start: torch.Tensor, decode: bool) -> list[list[int]]:
-    """Keys each (sequence, row) keeps at budget multiplier ``scale``: ``round(scale * faithful count)``, capped
-    by the row's candidates (``s`` keys before a prefill tile at position ``s``, all ``n`` keys in decode)."""
-    out = []
-    for b in range(len(kv_start)):
-        n = q_offset + L - int(kv_start[b])
-        if decode:
-            out.append([_scaled(budget.decode(n), scale, n)])
-            continue
-        r0 = int(row_start[b])
-        row = []
-        for r in range(rows):
-            s = (r0 + r) * budget.tile
-            row.append(0 if s >= n else _scaled(budget.prefill_tile(s, n), scale, s))
-        out.append(row)
-    return out
+def prefix(sel: Selection, scale: float, step: Step) -> Selection:
+    """The first ``scaled(c, scale, candidates)`` keys of each row of the ranked ``sel``: a prefix view whose
+    counts come from the step (memoised per step and scale; device ops only in a graph-captured decode step)."""
+    counts, most = step.counts(scale)
+    return sel.prefix(counts, min(sel.indices.shape[-1], most))
 
 
-def prefill_counts(budget: Budget, scale: float, *, kv_start: torch.Tensor, q_offset: int, L: int,
-                   rows: int) -> torch.Tensor:
-    """:func:`row_counts` for prefill, vectorised (the Triton path's per-layer prefix lengths): ``[B, rows]``
-    int64 on the host. Rows are the tiles of this call, from each sequence's first tile with a query in it."""
-    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
-    T = budget.tile
-    n = q_offset + L - kv_start  # [B]
-    t_first = (q_offset - kv_start).clamp(min=0) // T
-    s = (t_first[:, None] + torch.arange(rows)[None, :]) * T  # [B, R] tile starts (positions)
-    kn = torch.minimum(n, torch.floor(n.double() * budget.ratio).long().clamp(min=budget.k_min))  # k(N)
-    c = torch.minimum(s, kn[:, None] - T)
-    if budget.rolling:
-        c = torch.minimum(c, torch.floor(s.double() * budget.ratio).long().clamp(min=budget.k_min))
-    c = c.clamp(min=0)
-    cnt = torch.minimum(s, torch.floor(c.double() * scale + 0.5).long())
-    return torch.where(s < n[:, None], cnt, 0)
+def layer_selection(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step) -> Selection:
+    """The keys ``layer`` attends: an anchor its own selection (``selections[layer]``), a reuse layer by the
+    plan's rule from the anchors' selections. For a ranked plan the anchors' selections must be ranked
+    (:func:`kascade.ops.select` with ``depth=plan.depth(anchor)``)."""
+    if plan.is_anchor(layer):
+        own = selections[layer]
+        return prefix(own, plan.scale(layer), step) if plan.ranked else own
+    r = plan.reuse
+    if r.sources is None and not r.recent:
+        anchor = plan.anchor_of(layer)
+        if anchor not in selections:
+            raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
+        sel = remap(plan, layer, selections[anchor])
+        return prefix(sel, plan.scale(layer), step) if plan.ranked else sel
+    return merged(plan, layer, selections, step)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Sources and sinks + recent: rankings merged rank by rank
+# ----------------------------------------------------------------------------------------------------------------
 def _take(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The first ``counts[b, r]`` entries of each ranked row ``order [B, H, R, Kr]``, ascending, -1 padded."""
     K = int(counts.max()) if counts.numel() else 0
     K = min(K, order.shape[-1])
-    head = order[..., :K]
     keep = torch.arange(K, device=order.device) < counts[:, None, :, None]
-    head = torch.where(keep & (head >= 0), head, _BIG).sort(-1).values
-    return torch.where(head == _BIG, -1, head)
-
-
-def ranked_select(q, k, *, budget: Budget, depth: float = 1.0, own: float = 1.0, scale: float,
-                  kv_start: torch.Tensor, q_offset: int, backend: str = "reference") -> RankedSelection:
-    """Anchor selection that also keeps its ranking: rows ranked to ``round(depth * c)`` keys, own set the first
-    ``round(own * c)`` of them (``c``: the faithful row budget). At ``depth = own = 1`` the own set is
-    :func:`kascade.ops.select`'s (up to ties). Pooled probabilities come from the reference on any device
-    (``backend`` is accepted for the runtime's uniform call and does not change the result)."""
-    B, HQ, L, D = q.shape
-    H = k.shape[1]
-    md = reference._math_dtype(q.dtype)
-    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
-    decode = L == 1
-    T = budget.tile
-    per_seq, row_start = [], []
-    for b in range(B):
-        start, n, l = reference._valid_span(kv_start, q_offset, L, b)
-        qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
-        if decode:
-            p = reference.pooled_decode(qb, kb, scale)  # [H, n]
-            kr = _scaled(budget.decode(n), depth, n)
-            rows = [p.topk(kr, dim=-1).indices[:, None, :]]
-            t_first = 0
-        else:
-            t_first = (n - l) // T
-            rows = []
-            for t0, pooled in reference.iter_pooled_prefill(qb, kb, scale, T):
-                c, m = pooled.shape[1], pooled.shape[2]
-                s = torch.arange(t0, t0 + c, device=q.device) * T
-                cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], float("-inf"))
-                cnt = [_scaled(budget.prefill_tile(int(x), n), depth, int(x)) for x in s]
-                K = max(cnt)
-                top = cand.topk(K, dim=-1).indices if K else cand.new_zeros(H, c, 0, dtype=torch.long)
-                keep = torch.arange(K, device=q.device)[None, :] < torch.tensor(cnt, device=q.device)[:, None]
-                rows.append(torch.where(keep[None], top, -1))
-        Kr = max(r.shape[-1] for r in rows)
-        idx = torch.cat([torch.nn.functional.pad(r, (0, Kr - r.shape[-1]), value=-1) for r in rows], 1)
-        per_seq.append(torch.where(idx >= 0, idx + start, -1))
-        row_start.append(t_first)
-    order = stack_rows(per_seq, q.device)
-    R = order.shape[2]
-    rs = torch.tensor(row_start, dtype=torch.long, device=q.device)
-    counts = torch.tensor(row_counts(budget, own, kv_start=kv_start, q_offset=q_offset, L=L, rows=R, row_start=rs,
-                                     decode=decode), dtype=torch.long, device=q.device)
-    return RankedSelection(_take(order, counts), rs, T, decode, order=order)
+    return sort_padded(order[..., :K], keep)
 
 
 def merge_ranked(cands: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -157,14 +93,14 @@ def merge_ranked(cands: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor) 
     K = min(int(counts.max()) if counts.numel() else 0, idx.shape[-1])
     val, pos = pr.topk(K, dim=-1, largest=False, sorted=True)
     chosen = idx.gather(-1, pos)
-    keep = (torch.arange(K, device=idx.device) < counts[..., None]) & (val != _BIG)
-    chosen = torch.where(keep, chosen, _BIG).sort(-1).values
-    return torch.where(chosen == _BIG, -1, chosen)
+    return sort_padded(torch.where(val != _BIG, chosen, -1),
+                       torch.arange(K, device=idx.device) < counts[..., None])
 
 
-def _forced(budget_rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor, sinks: int, recent: float):
+def forced_keys(budget_rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor, sinks: int, recent: float):
     """Sinks + recent window per row: ``[B, R, F]`` key slots (-1 = none) for rows with ``budget_rows [B, R]`` keys
-    whose candidates are compact positions ``[0, ends[b, r])``."""
+    whose candidates are compact positions ``[0, ends[b, r])``: the first ``sinks`` keys and the latest ones,
+    ``floor(recent * budget)`` keys in all."""
     nf = torch.floor(budget_rows.double() * recent).long().clamp(max=budget_rows)
     ns = nf.clamp(max=sinks)
     F = int(nf.max()) if nf.numel() else 0
@@ -175,34 +111,31 @@ def _forced(budget_rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor,
     return torch.where(ok, pos + starts[:, None, None], -1)
 
 
-def reuse_selection(plan, layer: int, selections: dict, *, budget: Budget, kv_start: torch.Tensor, q_offset: int,
-                    L: int) -> Selection:
-    """Reuse layer ``layer``'s selection under a ranked ``plan``, from the anchors' :class:`RankedSelection` s."""
+def merged(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step) -> Selection:
+    """A reuse layer's set under the ``sources`` and ``sinks`` / ``recent`` rules, from the anchors' ranked
+    selections (needs the step's geometry on the host)."""
     pairs_per_head = plan.sources_of(layer)
     for pairs in pairs_per_head:
         for al, _ in pairs:
             got = selections.get(al)
-            if not isinstance(got, RankedSelection):
+            if got is None or not got.ranked:
                 raise RuntimeError(f"Kascade: reuse layer {layer} found no ranking from anchor {al}")
     ref = selections[pairs_per_head[0][0][0]]
-    B, _, R, _ = ref.order.shape
-    dev = ref.order.device
-    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
-    counts = torch.tensor(row_counts(budget, plan.scale_of(layer), kv_start=kv_start, q_offset=q_offset, L=L,
-                                     rows=R, row_start=ref.row_start.cpu(), decode=ref.decode),
-                          dtype=torch.long, device=dev)  # [B, R]
+    B, _, R, _ = ref.indices.shape
+    dev = ref.indices.device
+    counts = step.counts(plan.scale(layer))[0].long().reshape(B, -1)  # [B, R]
     forced = None
-    if plan.recent > 0:
-        n = q_offset + L - kv_start
+    if plan.reuse.recent > 0:
+        n = step.n
         if ref.decode:
             ends = n[:, None]
         else:
-            ends = (ref.row_start.cpu()[:, None] + torch.arange(R)[None, :]) * budget.tile
+            ends = (ref.row_start.cpu()[:, None] + torch.arange(R)[None, :]) * plan.tile
             ends = torch.minimum(ends, n[:, None])
-        forced = _forced(counts.cpu(), ends, kv_start, plan.sinks, plan.recent).to(dev)  # [B, R, F]
+        forced = forced_keys(counts.cpu(), ends, step.kv_start, plan.reuse.sinks, plan.reuse.recent).to(dev)
     heads = []
     for pairs in pairs_per_head:
-        orders = [selections[al].order[:, ah] for al, ah in pairs]  # each [B, R, Kr]
+        orders = [selections[al].indices[:, ah].long() for al, ah in pairs]  # each [B, R, Kr]
         if forced is None and len(orders) == 1:
             heads.append(_take(orders[0][:, None], counts)[:, 0])
             continue

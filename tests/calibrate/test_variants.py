@@ -29,7 +29,7 @@ def test_any_anchor_sources_take_the_best_pair_over_all_earlier_anchors():
     assert two[5][1][0] == (0, 0) and len(two[5][1]) == 2
     near = cv.ranked_sources(st, (0, 3), 1, nearest_only=True)
     assert all(p[0][0] == 3 for p in near[5])
-    KascadePlan(FP, (0, 3), ((0, 1),) * 6, sources=two)  # valid for the plan
+    KascadePlan(FP, (0, 3), ((0, 1),) * 6).with_reuse(sources=two)  # valid for the plan
 
 
 def test_layer_scales_favour_dissimilar_layers_and_keep_the_mean():
@@ -52,7 +52,7 @@ def test_plan_for_rule_names_and_combinations():
         p = cv.plan_for_rule(FP, st, (0, 2, 4), rule)
         assert p.anchors == (0, 2, 4) and p.ranked == (rule != "faithful"), rule
     p = cv.plan_for_rule(FP, st, (0, 2, 4), "any-anchor+sinks+layer-budget")
-    assert p.sources is not None and p.recent == cv.RECENT and p.layer_scale is not None
+    assert p.reuse.sources is not None and p.reuse.recent == cv.RECENT and p.reuse.scale is not None
     with pytest.raises(ValueError, match="unknown reuse rule"):
         cv.plan_for_rule(FP, st, (0, 2), "magic")
     with pytest.raises(ValueError, match="use one of them"):
@@ -149,8 +149,8 @@ def test_layer_sensitivity_changes_one_layer_at_a_time():
     seen = []
 
     def scorer(p):
-        seen.append(p.layer_scale)
-        s = 1.0 if p.layer_scale is None else p.layer_scale[3]
+        seen.append(p.reuse.scale)
+        s = 1.0 if p.reuse.scale is None else p.reuse.scale[3]
         return dict(kl=0.1 / s, agreement=0.9)
 
     sens = cv.layer_sensitivity(scorer, plan, (0.5, 1.0, 2.0), progress=False)
@@ -159,17 +159,17 @@ def test_layer_sensitivity_changes_one_layer_at_a_time():
         assert sum(x != 1.0 for x in ls) == 1 and ls[0] == 1.0
     assert sens["kl"][3] == {0.5: 0.2, 2.0: 0.05} and sens["kl"][1] == {0.5: 0.1, 2.0: 0.1}
     out = cv.measured_budget_plan(plan, sens, (0.5, 1.0, 2.0))
-    assert out.layer_scale[3] == 2.0 and max(out.layer_scale) == 2.0 and out.anchors == plan.anchors
-    assert abs(sum(out.layer_scale[1:]) - 5) < 1e-12
+    assert out.reuse.scale[3] == 2.0 and max(out.reuse.scale) == 2.0 and out.anchors == plan.anchors
+    assert abs(sum(out.reuse.scale[1:]) - 5) < 1e-12
     seen.clear()  # a second round measures around the plan's own scales, the other layers keeping theirs
     again = cv.layer_sensitivity(scorer, out, (0.5, 1.0, 2.0), progress=False)
     assert again["current"][3] == 2.0 and set(again["kl"][3]) == {0.5, 1.0} and len(seen) == 1 + 5 * 2
     for ls in seen[1:]:
-        assert sum(x != y for x, y in zip(ls, out.layer_scale)) == 1
+        assert sum(x != y for x, y in zip(ls, out.reuse.scale)) == 1
     assert cv.monotone_costs(again, (0.5, 1.0, 2.0))[3][2.0] == 0.0
     assert cv.allocate_scales(again, 6, (0.5, 1.0, 2.0))[3] == 2.0
     with pytest.raises(ValueError, match="anchors and head map only"):
-        cv.layer_sensitivity(scorer, out.__class__(FP, (0, 3), ((0, 1),) * 6, recent=0.5), progress=False)
+        cv.layer_sensitivity(scorer, KascadePlan(FP, (0, 3), ((0, 1),) * 6).with_reuse(recent=0.5), progress=False)
 
 
 def test_measured_method_searches_then_allocates_budgets_on_a_tiny_model():
@@ -181,8 +181,8 @@ def test_measured_method_searches_then_allocates_budgets_on_a_tiny_model():
     st = collect_stats(model, wins[:1], k=16, tile=16, progress=False)
     plan = cv.plan_from_method("measured", model, {160: st}, 3, search_windows={160: wins[1:]}, max_evals=3,
                                budget=dict(k_min=8, tile=16), progress=False)
-    assert len(plan.anchors) == 3 and plan.layer_scale is not None and plan.sources is None and plan.k_min == 8
-    assert set(plan.layer_scale) <= set(cv.MEASURED_GRID) and abs(sum(plan.layer_scale[1:]) - 5) < 1e-9
+    assert len(plan.anchors) == 3 and plan.reuse.scale is not None and plan.reuse.sources is None and plan.k_min == 8
+    assert set(plan.reuse.scale) <= set(cv.MEASURED_GRID) and abs(sum(plan.reuse.scale[1:]) - 5) < 1e-9
     assert "measured budgets" in plan.source
     with pytest.raises(ValueError, match="needs development windows"):
         cv.plan_from_method("measured", model, {160: st}, 3)

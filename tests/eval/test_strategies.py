@@ -4,6 +4,7 @@ import torch
 import kascade
 from conftest import tiny_model
 from kascade.budget import Budget
+from kascade.ops import plan_step
 from kascade.eval.strategies import STRATEGIES, make_strategy, quest_select, streaming_select
 
 
@@ -41,17 +42,17 @@ def test_streamingllm_selects_sinks_and_recent_window():
     q = torch.randn(1, 2, 100, 8)
     k = torch.randn(1, 1, 100, 8)
     budget = Budget(ratio=0.1, k_min=10, tile=20, rolling=False)
-    sel = streaming_select(q, k, budget=budget)
+    sel = streaming_select(q, k, step=plan_step(q, k, budget=budget))
     # tile 3 starts at s = 60: budget min(60, k(100) - T) = min(60, -10 -> 0)... k(100) = 10, so 0 keys
     assert sel.indices.shape[2] == 5
     budget = Budget(ratio=0.5, k_min=10, tile=20, rolling=False)  # k(100) = 50: tiles select min(s, 30)
-    sel = streaming_select(q, k, budget=budget)
+    sel = streaming_select(q, k, step=plan_step(q, k, budget=budget))
     row = sel.indices[0, 0, 3]  # s = 60, 30 keys: sinks 0..3 + recent 34..59
     assert row.tolist() == [0, 1, 2, 3] + list(range(34, 60))
     row1 = sel.indices[0, 0, 1]  # s = 20 <= 30: dense, 0..19
     assert row1[row1 >= 0].tolist() == list(range(20))
     qd = q[:, :, -1:]
-    d = streaming_select(qd, k, budget=budget).indices[0, 0, 0]
+    d = streaming_select(qd, k, step=plan_step(qd, k, budget=budget)).indices[0, 0, 0]
     assert d.tolist() == [0, 1, 2, 3] + list(range(54, 100))  # decode: k(100) = 50 keys
 
 
@@ -65,10 +66,10 @@ def test_quest_picks_the_page_with_the_largest_bound():
     q = torch.zeros(1, 2, 1, 4)
     q[..., 0] = 1.0
     budget = Budget(ratio=0.2, k_min=16, tile=T)  # decode: k(80) = 16 keys = one page
-    sel = quest_select(q, k, budget=budget, page=page)
+    sel = quest_select(q, k, step=plan_step(q, k, budget=budget), page=page)
     assert sel.indices[0, 0, 0].tolist() == list(range(16, 32))
     q[..., 0] = -1.0  # now page 3 is the one aligned with the query
-    assert quest_select(q, k, budget=budget, page=page).indices[0, 0, 0].tolist() == list(range(48, 64))
+    assert quest_select(q, k, step=plan_step(q, k, budget=budget), page=page).indices[0, 0, 0].tolist() == list(range(48, 64))
 
 
 def test_unknown_strategy_is_refused():
@@ -86,7 +87,7 @@ def test_shipped_variants_serve_the_default_model(default_model):
     assert plans["faithful"].anchors != plans["default"].anchors  # the search moved an anchor
     assert not plans["faithful"].ranked and not plans["searched"].ranked and plans["default"].ranked
     assert plans["searched"].anchors == plans["default"].anchors  # the default = searched + per-layer budgets
-    scales = plans["default"].layer_scale
+    scales = plans["default"].reuse.scale
     assert scales[0] == 1.0 and abs(sum(scales[1:]) / (len(scales) - 1) - 1.0) < 1e-9  # same average budget
     assert all(len(p.anchors) == 6 for p in plans.values())
     assert "kascade-faithful" in available(model)

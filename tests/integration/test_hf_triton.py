@@ -24,11 +24,12 @@ def _model_and_plan():
     return model, plan
 
 
-def _spy(monkeypatch):
+def _kernel_calls(monkeypatch):
+    """Names of the Triton launchers called, in order."""
     from kascade.ops.triton import decode, prefill
 
     calls = []
-    for mod, names in ((decode, ("decode_meta", "dense_select_decode", "select_decode", "sparse_decode")),
+    for mod, names in ((decode, ("dense_select_decode", "select_decode", "sparse_decode")),
                        (prefill, ("dense_select_prefill", "select_prefill", "sparse_prefill"))):
         for name in names:
             orig = getattr(mod, name)
@@ -36,7 +37,7 @@ def _spy(monkeypatch):
     return calls
 
 
-def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch):
+def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forward_states):
     model, plan = _model_and_plan()
     ids = torch.randint(3, 97, (2, 75), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -45,7 +46,8 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch):
         with kascade.enable(model, plan, backend="reference"):
             ref = model(ids, attention_mask=mask).logits
             ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-        calls = _spy(monkeypatch)
+        calls = _kernel_calls(monkeypatch)
+        forward_states.clear()
         with kascade.enable(model, plan, backend="triton") as h:
             assert h.runtime.backend == "triton"
             got = model(ids, attention_mask=mask).logits
@@ -58,9 +60,12 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch):
     # fp32 model: kernels and reference agree to fp32 rounding at the real positions
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen)
-    # 2 decode steps after the prefill: the metadata is built once per step (plan / run split), not per layer
-    assert calls.count("decode_meta") == 2 and calls.count("dense_select_decode") == 2
-    assert calls.count("select_decode") == 4 and calls.count("sparse_decode") == 6
+    # the prefill of generate and 2 decode steps: one step plan each (plan / run split), with the decode metadata
+    steps = [fs.step for fs in forward_states[1:]]
+    assert [s.decode for s in steps] == [False, True, True] and all(s.meta is not None for s in steps[1:])
+    assert all(s.backend == "triton" and s.index_dtype == torch.int32 for s in steps)
+    assert calls.count("dense_select_decode") == 2 and calls.count("select_decode") == 4
+    assert calls.count("sparse_decode") == 6
 
 
 def test_triton_backend_refuses_what_it_cannot_run():
@@ -72,8 +77,8 @@ def test_triton_backend_refuses_what_it_cannot_run():
         kascade.enable(odd, backend="triton")
 
 
-def test_static_cache_decode_steps_stay_on_the_device(monkeypatch):
-    """With a static cache the Triton decode step takes its metadata from device tensors (the CUDA-graph path) and
+def test_static_cache_decode_steps_stay_on_the_device(forward_states):
+    """With a static cache the Triton decode step is planned from device tensors (the CUDA-graph path) and
     generates what the reference generates with a dynamic cache."""
     from kascade.integration.graphs import GraphDecoder
 
@@ -81,17 +86,14 @@ def test_static_cache_decode_steps_stay_on_the_device(monkeypatch):
     ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), kascade.enable(model, plan, backend="reference"):
         ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, 70:]
-    calls = _spy(monkeypatch)
-    from kascade.ops.triton import decode
-
-    static = []
-    orig = decode.decode_meta_static
-    monkeypatch.setattr(decode, "decode_meta_static", lambda *a, **kw: (static.append(1), orig(*a, **kw))[1])
+    forward_states.clear()
     with kascade.enable(model, plan, backend="triton"):
         dec = GraphDecoder(model, batch_size=2, max_cache_len=80, use_graph=False)
         got = dec.generate(ids, max_new_tokens=4)
     assert torch.equal(got, ref)
-    assert len(static) == 3 and "decode_meta" not in calls  # 3 decode steps, none through the host metadata
+    # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
+    assert [fs.step.on_device for fs in forward_states] == [False, True, True, True]
+    assert all(fs.step.meta.n == (80, 80) for fs in forward_states[1:])  # launch bounds: the cache capacity
 
 
 def test_dense_runtime_is_the_dense_model():
@@ -112,19 +114,16 @@ def test_dense_runtime_is_the_dense_model():
 
 def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatch):
     """A plan with per-layer budgets (ranked reuse) on the Triton path: anchors keep ranked selections, layers take
-    prefixes of them; prefill, dynamic-cache decode and static-cache decode match the reference's ranked path."""
-    import dataclasses
-
+    prefixes of them; prefill, dynamic-cache decode and static-cache decode match the reference."""
     from kascade.integration.graphs import GraphDecoder
-    from kascade.reuse import prefill_counts, row_counts
 
     model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16, num_hidden_layers=5)
     fp = ModelFingerprint.from_model(model)
     I = (0, 1, 2)
     # k_min 40 > tile: prefill rows keep min(s, 24) selected keys before scaling (with k_min = tile they keep none)
     plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=40, tile=16)
-    plan = dataclasses.replace(plan, layer_scale=(1.0, 1.0, 1.6, 1.0, 0.5))
-    assert plan.ranked and plan.rank_depth(1) == 1.6
+    plan = plan.with_reuse(scale=(1.0, 1.0, 1.6, 1.0, 0.5))
+    assert plan.ranked and plan.depth(1) == 1.6
     ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
@@ -139,13 +138,13 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
         monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (depths.append(kw.get("depth")),
                                                                           orig(*a, **kw))[1])
         with kascade.enable(model, plan, backend="triton") as h:
-            assert h.runtime.ranked_fast and not h.runtime.custom_selector
+            assert not h.runtime.host_geometry  # static-cache decode steps stay on the device
             got = model(ids, attention_mask=mask).logits
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
             static = GraphDecoder(model, batch_size=2, max_cache_len=96, use_graph=False).generate(ids[1:].expand(2, -1), 3)
         with kascade.enable(model, plan, backend="reference"):
             ref_static = model.generate(ids[1:].expand(2, -1), max_new_tokens=3, do_sample=False)[:, 90:]
-        # with account=True the prefixes are materialised and counted: the same keys as the reference attends
+        # with account=True the prefix views are counted: the same keys as the reference attends
         counted = {}
         for backend in ("reference", "triton"):
             with kascade.enable(model, plan, backend=backend, account=True) as h:
@@ -158,12 +157,3 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
     real = mask.bool()
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen) and torch.equal(static, ref_static)
-    # the vectorised prefix lengths are reuse.row_counts' rule
-    for kv_start, q_offset, L in (([0, 7], 0, 90), ([0, 40], 13, 77), ([3, 0], 60, 30)):
-        ks = torch.tensor(kv_start)
-        R = max((q_offset + L - s - 1) // 16 - max(0, q_offset - s) // 16 + 1 for s in kv_start)
-        rs = torch.tensor([max(0, q_offset - s) // 16 for s in kv_start])
-        for scale in (0.5, 1.0, 1.6):
-            want = row_counts(plan.budget, scale, kv_start=ks, q_offset=q_offset, L=L, rows=R, row_start=rs,
-                              decode=False)
-            assert prefill_counts(plan.budget, scale, kv_start=ks, q_offset=q_offset, L=L, rows=R).tolist() == want

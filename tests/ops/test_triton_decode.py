@@ -18,7 +18,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 from kascade.budget import Budget  # noqa: E402
 from kascade.ops import dense_attention, reference, select, sparse_attention  # noqa: E402
+from kascade.ops.step import decode_meta  # noqa: E402
 from kascade.ops.triton import decode as td  # noqa: E402
+from kascade.ops.triton import topk  # noqa: E402
 
 # (B, H, G, N, D, dtype, page, num_splits): every G in 1..16 that divides as in real models, each D, both dtypes,
 # paged and contiguous, splits chosen by the launcher (None), forced to one (no merge) or to many.
@@ -201,7 +203,7 @@ def test_radix_selection_breaks_exact_ties_by_position():
     B, H, G, D = 2, 2, 3, 64
     n = [700, 333]
     g = torch.Generator().manual_seed(3)
-    meta = td.decode_meta(B, device="cpu", kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
+    meta = decode_meta(B, device="cpu", kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
     levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
     sc = levels[torch.randint(0, 4, (B, H * G, 700), generator=g)]
     sc[:, :, :] = sc[:, :1, :]  # every head of a group scores alike: pooled = G x one head's probabilities
@@ -210,17 +212,17 @@ def test_radix_selection_breaks_exact_ties_by_position():
     for b in range(B):  # sequence 1 has only n[1] valid keys: its statistics cover those
         mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
-    hist = torch.zeros(B * H, td._NHIST, dtype=torch.int32)
-    sel = td._select_from_scores(sc.contiguous(), mx.contiguous(), ls.contiguous(), hist, 1, meta, B, H, G, BUDGET,
-                                 "radix", ch=64)
+    hist = torch.zeros(B * H, topk.NHIST, dtype=torch.int32)
+    indices = topk.select_rows(sc.contiguous(), mx.contiguous(), ls.contiguous(), hist, 1, meta, B, H, G,
+                               method="radix", chunk=64)
     for b in range(B):
         kb = BUDGET.decode(n[b])
         s = sc[b, 0, : n[b]]
         order = torch.sort(-s, stable=True).indices[:kb]  # higher level first, then earlier position
         want = order.sort().values + (700 - n[b] if b else 0)
         for h in range(H):
-            assert torch.equal(sel.indices[b, h, 0, :kb], want), f"seq {b} head {h}"
-            assert bool((sel.indices[b, h, 0, kb:] == -1).all())
+            assert torch.equal(indices[b, h, 0, :kb], want), f"seq {b} head {h}"
+            assert bool((indices[b, h, 0, kb:] == -1).all())
 
 
 def test_selection_covers_large_rows_and_many_chunks():
@@ -286,9 +288,9 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
 
 def test_sparse_decode_with_counts_attends_each_sequences_prefix():
     """counts=: sequence b attends only the first counts[b] entries of its rows, in whatever order they are (a
-    ranked selection's prefix): the same output as the rows cut to that prefix and -1 padded; ranked_counts is
-    reuse.row_counts' rule on the step's metadata."""
-    from kascade.reuse import row_counts
+    ranked selection's prefix): the same output as the rows cut to that prefix and -1 padded; the step's counts
+    are Budget.decode_counts of each sequence's keys, from the device metadata."""
+    from kascade.ops import plan_step
 
     B, H, G, N, D = 3, 2, 4, 600, 64
     g = torch.Generator().manual_seed(12)
@@ -297,7 +299,7 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
     v = torch.randn(B, H, N, D, generator=g)
     kv_start = torch.tensor([0, 100, 430])
     budget = Budget(ratio=0.1, k_min=16)
-    meta = td.decode_meta(B, device=q.device, kv_start=kv_start, q_offset=N - 1, budget=budget)
+    step = plan_step(q, k, budget=budget, kv_start=kv_start, q_offset=N - 1, backend="triton")
     K = 90
     idx = torch.full((B, H, 1, K), -1, dtype=torch.long)
     for b in range(B):
@@ -305,11 +307,11 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
             perm = torch.randperm(N - int(kv_start[b]), generator=g)[:K] + int(kv_start[b])  # not sorted
             idx[b, h, 0, : perm.numel()] = perm
     for s in (0.5, 1.3, 2.0):
-        cnt = td.ranked_counts(meta, s)
-        want_cnt = [row_counts(budget, s, kv_start=kv_start[b : b + 1], q_offset=N - 1, L=1, rows=1,
-                               row_start=torch.zeros(1), decode=True)[0][0] for b in range(B)]
-        assert cnt.dtype == torch.int32 and cnt.tolist() == want_cnt
-        assert td.ranked_counts(meta, s) is cnt, "memoised per step and scale"
+        cnt, most = step.counts(s)
+        n = [N - int(x) for x in kv_start]
+        want_cnt = [min(m, int(s * budget.decode(m) + 0.5)) for m in n]  # round(s * k(n)), capped by n
+        assert cnt.dtype == torch.int32 and cnt.tolist() == want_cnt and most == max(want_cnt)
+        assert step.counts(s)[0] is cnt, "memoised per step and scale"
         cut = idx.clone()
         for b in range(B):
             cut[b, :, :, int(cnt[b]) :] = -1

@@ -98,12 +98,15 @@ class StatsRecorder:
         self._index_sets = None
         self._x = {}
 
-    # -- the attention function ------------------------------------------------------------------------------
-    def attend(self, layer, q, k, v, mask, scale):
+    # -- the attention runtime (kascade.integration.hf.attach) -------------------------------------------------
+    def begin(self, q, k, kv_start, q_offset):
+        if q.shape[0] != 1 or q.shape[2] != k.shape[2] or bool(torch.as_tensor(kv_start).any()):
+            raise ValueError("calibration runs one unpadded window at a time, without a KV cache")
+        return None
+
+    def attend(self, layer, q, k, v, state, scale):
         B, HQ, L, D = q.shape
         N = k.shape[2]
-        if B != 1 or L != N or mask is not None and getattr(mask, "valid", None) is not None:
-            raise ValueError("calibration runs one unpadded window at a time, without a KV cache")
         scale = D**-0.5 if scale is None else scale
         md = _math_dtype(q.dtype)
         qb, kb = q[0].to(md), k[0].to(md)

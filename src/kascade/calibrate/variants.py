@@ -116,9 +116,9 @@ def plan_for_rule(model_or_fp, stats: CalibrationStats, anchors, rule: str = "fa
     if "sinks" in parts:
         changes.update(sinks=SINKS, recent=RECENT)
     if changes:
-        plan = dataclasses.replace(plan, **changes)
+        plan = plan.with_reuse(**changes)
     if "layer-budget" in parts:
-        plan = dataclasses.replace(plan, layer_scale=layer_scales(stats, plan, alpha))
+        plan = plan.with_reuse(scale=layer_scales(stats, plan, alpha))
     return plan
 
 
@@ -291,17 +291,17 @@ MEASURED_GRID = (0.5, 1.0, 1.5, 2.0)  # anchors then rank at most 2x deep
 
 def _with_scales(plan: KascadePlan, scales: dict[int, float]) -> KascadePlan:
     L = plan.num_layers
-    return dataclasses.replace(plan, layer_scale=tuple(float(scales.get(l, 1.0)) for l in range(L)))
+    return plan.with_reuse(scale=tuple(float(scales.get(l, 1.0)) for l in range(L)))
 
 
 def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress: bool = True, log=None) -> dict:
     """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "current": {layer: scale},
     "kl": {layer: {scale: kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``scale`` of
-    ``grid`` but the layer's current one (``plan``'s ``layer_scale``, 1 without it; the other layers keep theirs)."""
-    if plan.sources is not None or plan.recent > 0 or plan.by_length:
+    ``grid`` but the layer's current one (``plan``'s reuse scale, 1 without it; the other layers keep theirs)."""
+    if plan.reuse.sources is not None or plan.reuse.recent > 0 or plan.by_length:
         raise ValueError("layer_sensitivity takes a plan with anchors and head map only (no sources / sinks / "
                          "sub-plans per length)")
-    cur = {l: plan.scale_of(l) for l in range(plan.num_layers)}
+    cur = {l: plan.scale(l) for l in range(plan.num_layers)}
     base = scorer(plan)["kl"]
     layers = range(1, plan.num_layers)
     todo = {l: [s for s in grid if s != cur[l]] for l in layers}
@@ -382,5 +382,5 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
 def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
     """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid``."""
     scales = allocate_scales(sens, plan.num_layers, grid)
-    return dataclasses.replace(plan, layer_scale=scales, source=source or (
+    return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
         f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))

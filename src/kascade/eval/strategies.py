@@ -1,8 +1,8 @@
 """Sparse-attention strategies compared by the evaluation harness.
 
-Every strategy is a (plan, selector) pair run by the same :class:`kascade.integration.hf.KascadeRuntime`: the
-plan says which layers choose keys and which reuse them, the selector how keys are chosen (same signature as
-:func:`kascade.ops.select`, same budget). All of them keep layer 0 dense and attend through the same sparse
+Every strategy is a (plan, selector) pair run by the same :class:`kascade.integration.runtime.KascadeRuntime`: the
+plan says which layers choose keys and which reuse them, the selector how keys are chosen (called as
+``selector(q, k, scale=..., step=...)`` like :func:`kascade.ops.select`, with the step's budget and geometry). All of them keep layer 0 dense and attend through the same sparse
 attention op, so they differ only in *which* keys they attend.
 
 - dense:               no sparsity.
@@ -37,6 +37,7 @@ import torch
 
 from .. import ops
 from ..budget import Budget
+from ..ops import Step
 from ..ops.selection import Selection
 from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
 
@@ -59,13 +60,6 @@ def _assemble(per_seq: list[torch.Tensor], row_start: list[int], tile: int, deco
     return Selection(idx, torch.tensor(row_start, dtype=torch.long, device=device), tile, decode)
 
 
-def _defaults(q, k, kv_start, q_offset):
-    """The public ops' defaults: no left padding, queries in the last ``L`` key slots."""
-    B, L, N = q.shape[0], q.shape[2], k.shape[2]
-    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).cpu()
-    return kv_start, N - L if q_offset is None else q_offset
-
-
 def _rows(n: int, L: int, budget: Budget, decode: bool):
     """(first tile, [(cand_end, count)] per row): candidates are compact positions ``[0, cand_end)``."""
     if decode:
@@ -83,12 +77,11 @@ def _sorted_padded(rows: list[torch.Tensor], device) -> torch.Tensor:
     return out
 
 
-def streaming_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=None, backend="reference",
-                     sinks: int = SINKS) -> Selection:
+def streaming_select(q, k, *, step: Step, scale=None, sinks: int = SINKS) -> Selection:
     """StreamingLLM: the first ``sinks`` keys plus the most recent ones, ``count`` keys in all per row."""
     B, _, L, _ = q.shape
     H = k.shape[1]
-    kv_start, q_offset = _defaults(q, k, kv_start, q_offset)
+    budget, kv_start, q_offset = step.budget, step.kv_start, step.q_offset
     per_seq, starts = [], []
     for b in range(B):
         start = int(kv_start[b])
@@ -104,14 +97,13 @@ def streaming_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offse
     return _assemble(per_seq, starts, budget.tile, L == 1, H, q.device)
 
 
-def quest_select(q, k, *, budget: Budget, scale=None, kv_start=None, q_offset=None, backend="reference",
-                 page: int = PAGE) -> Selection:
+def quest_select(q, k, *, step: Step, scale=None, page: int = PAGE) -> Selection:
     """Quest: whole pages by their query-aware upper bound, as many as fit in the token budget."""
     B, HQ, L, D = q.shape
     H = k.shape[1]
     G = HQ // H
+    budget, kv_start, q_offset = step.budget, step.kv_start, step.q_offset
     T = budget.tile
-    kv_start, q_offset = _defaults(q, k, kv_start, q_offset)
     per_seq, starts = [], []
     for b in range(B):
         start = int(kv_start[b])
@@ -164,7 +156,7 @@ def _variant(name, fp, base, b, stats, variant_plans):
     if variant_plans and name in variant_plans:
         return variant_plans[name].with_budget(**b), None
     if name == "kascade-sinks":
-        return dataclasses.replace(base, sinks=cv.SINKS, recent=cv.RECENT,
+        return dataclasses.replace(base.with_reuse(sinks=cv.SINKS, recent=cv.RECENT),
                                    source=base.source + f"; reuse rows: {cv.SINKS} sinks + recent window for "
                                    f"{cv.RECENT:.0%} of the budget"), None
     if name in ("kascade-search", "kascade-best"):
@@ -207,19 +199,19 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
     if name in VARIANTS:
         return _variant(name, fp, base, b, stats, variant_plans)
     if name == "oracle":
-        return KascadePlan.all_anchors(fp, **b), ops.select
-    own = None if base.ranked else ops.select  # a ranked plan (per-layer budgets) selects with its own ranking
+        return KascadePlan.all_anchors(fp, **b), None
+    own = None  # Kascade's own selection (exact pooled top-k; a ranked plan ranks its keys)
     if name == "kascade":
         return base, own
     if name == "kascade-faithful":
         faithful = shipped_plan(model, "faithful")
-        return (faithful.with_budget(**budget) if budget else faithful), ops.select
+        return (faithful.with_budget(**budget) if budget else faithful), None
     if name == "kascade-no-headmap":
         return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), own
     if name == "kascade-shared":
         # one selection shared by all KV heads has no per-head ranking: per-layer budgets are dropped
-        extra = "; per-layer budgets dropped" if base.layer_scale is not None else ""
-        return dataclasses.replace(base, head_map=ident, layer_scale=None, source=base.source +
+        extra = "; per-layer budgets dropped" if base.reuse.scale is not None else ""
+        return dataclasses.replace(base.with_reuse(scale=None), head_map=ident, source=base.source +
                                    "; shared across heads" + extra), partial(ops.select, shared=True)
     if name == "streamingllm":
         return KascadePlan(fp, (0,), ident, source="StreamingLLM: sinks + recent window", **b), streaming_select

@@ -4,7 +4,7 @@ Eager decoding through transformers launches every kernel of every layer from Py
 the GPU, then sets the pace. With a static cache (``transformers.StaticCache``: fixed-size K/V buffers and a
 device-side length) one decode step has the same shapes every time, so it can be captured once and replayed.
 Kascade's decode step is capturable with the Triton backend: its per-step metadata (valid keys, budget) is
-computed on the device (``ops.triton.decode.decode_meta_static``) and no layer reads a value back to the host.
+computed on the device (:func:`kascade.ops.plan_step` from device tensors) and no layer reads a value back to the host.
 The same decoder serves a dense model, so dense and Kascade are timed the same way.
 
     dec = GraphDecoder(model, batch_size=1, max_cache_len=prompt_len + 64)
@@ -18,54 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import KascadePlan, ModelFingerprint
-from .hf import KascadeRuntime, attach
-
-
-class DenseRuntime(KascadeRuntime):
-    """Dense attention for every layer, the baseline Kascade's decode is timed against under CUDA graphs.
-
-    transformers' SDPA path cannot be captured at its best over a static cache: it then attends to the cache's
-    whole capacity through an explicit mask (measured on the H200: 106 ms per token for a Llama-3.1-8B shape at
-    128K, against 72 ms eager). This runtime serves a decode step with Kascade's dense split-K Triton kernel
-    (metadata on the device, like Kascade's own decode) and prefill with PyTorch SDPA (``is_causal``, GQA native)
-    when no sequence is padded, else with the Triton dense kernel.
-    """
-
-    def __init__(self, model):
-        fp = ModelFingerprint.from_model(model)
-        super().__init__(KascadePlan.all_anchors(fp), backend="triton")
-
-    def attend(self, layer, q, k, v, mask, scale):
-        if layer == 0:
-            self.state = self._begin(q, k, mask)
-        st = self.state
-        decode, prefill = self._kernels
-        if st.meta is not None:
-            return decode.dense_decode(q, k, v, scale=scale, meta=st.meta)
-        L = q.shape[2]
-        if st.q_offset == 0 and not bool(st.kv_start.any()):
-            return _sdpa_causal(q, k[:, :, :L], v[:, :, :L], scale)
-        return prefill.dense_prefill(q, k, v, scale=scale, kv_start=st.kv_start, q_offset=st.q_offset)
-
-
-def _sdpa_causal(q, k, v, scale):
-    """Causal SDPA with cuDNN attention first in priority (the fastest dense prefill on Hopper; it needs the KV
-    heads repeated to the query heads), then flash, memory-efficient and math."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    G = q.shape[1] // k.shape[1]
-    if q.device.type == "cuda" and G > 1:
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(order, set_priority=True):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                enable_gqa=k.shape[1] != q.shape[1])
+from .hf import attach
+from .runtime import DenseRuntime
 
 
 def enable_dense(model):
-    """Route ``model``'s attention through :class:`DenseRuntime` (a handle / context manager, like ``enable``)."""
-    return attach(model, DenseRuntime(model))
+    """Route ``model``'s attention through :class:`~kascade.integration.runtime.DenseRuntime` (the dense baseline
+    timed under CUDA graphs; a handle / context manager, like ``enable``)."""
+    return attach(model, DenseRuntime())
 
 
 class GraphDecoder:

@@ -11,12 +11,15 @@ a left-padded sequence is treated exactly as if it ran alone.
 
 A call with ``L == 1`` is a decode step; ``L > 1`` is (chunked) prefill in tiles of ``budget.tile`` queries.
 
+Plan / run: :func:`plan_step` checks the geometry once and builds what every layer of a forward step needs (a
+:class:`Step`); the ops then take ``step=`` instead of ``kv_start`` / ``q_offset`` / ``budget`` / ``backend`` and
+check only what costs nothing (shapes). Called without ``step`` an op plans its own.
+
 Backends: ``"reference"`` (pure PyTorch, any device: the specification) and ``"triton"`` (CUDA tensors, fp16 /
 bf16 / fp32, ``D`` in {16, 32, 64, 128, 256}, ``G <= 16``; decode and prefill kernels in :mod:`kascade.ops.triton`).
 Asking for ``"triton"`` where it cannot run is an error, never a silent fallback. With ``TRITON_INTERPRET=1`` the
 Triton kernels also run on CPU tensors (slowly: for tests).
 """
-
 
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ import torch
 from ..budget import Budget
 from . import reference
 from .selection import Selection
+from .step import Step, decode_meta, decode_meta_static
 
-__all__ = ["Budget", "Selection", "attended_keys", "dense_attention", "select", "sparse_attention"]
+__all__ = ["Budget", "Selection", "Step", "attended_keys", "dense_attention", "dense_select", "plan_step", "select",
+           "sparse_attention"]
 
 BACKENDS = ("reference", "triton")
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -54,18 +59,16 @@ def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> 
     return None
 
 
-def _triton(q, k):
-    why = triton_unavailable_reason(q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
-    if why:
-        raise ValueError(why)
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("backend='triton' needs the head dim contiguous (stride 1) in q, k and v")
+def _kernels(step: Step):
     from .triton import decode, prefill
 
-    return decode if q.shape[2] == 1 else prefill
+    return decode if step.decode else prefill
 
 
-def _check(q, k, v, scale, kv_start, q_offset, backend):
+# ----------------------------------------------------------------------------------------------------------------
+# Planning: every check that needs values, once per step
+# ----------------------------------------------------------------------------------------------------------------
+def _check_tensors(q, k, v) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None and name == "v":
             continue  # selection needs no values
@@ -88,76 +91,219 @@ def _check(q, k, v, scale, kv_start, q_offset, backend):
     devs = {x.device for x in (q, k, v) if x is not None}
     if len(devs) > 1:
         raise ValueError(f"q, k, v are on different devices: {sorted(map(str, devs))}")
+
+
+def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=None,
+              backend: str = "reference") -> Step:
+    """Check the geometry of one forward step and build its :class:`Step` (shared by every layer's ops).
+
+    ``q [B, HQ, L, D]`` and ``k [B, H, N, D]`` give the shapes (any layer's). ``kv_start`` ([B], default zeros)
+    and ``q_offset`` (default ``N - L``): see the module docstring. A decode step (``L == 1``) on the Triton backend
+    may give them as tensors on the device (``q_offset`` 0-d, ``kv_start`` [B] or None): the step is then planned
+    with device ops only and can be captured in a CUDA graph; elsewhere device values are read back once.
+    """
+    _check_tensors(q, k, None)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    budget = Budget() if budget is None else budget
+    if not isinstance(budget, Budget):
+        raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
+    B, HQ, L, D = q.shape
+    _, H, N, _ = k.shape
+    index_dtype = torch.long
+    if backend == "triton":
+        why = triton_unavailable_reason(q.device, q.dtype, D, HQ // H)
+        if why:
+            raise ValueError(why)
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            raise ValueError("backend='triton' needs the head dim contiguous (stride 1) in q, k and v")
+        index_dtype = torch.int32
+    shape = dict(backend=backend, budget=budget, batch=B, q_heads=HQ, kv_heads=H, queries=L, keys=N, head_dim=D,
+                 dtype=q.dtype, device=q.device, index_dtype=index_dtype)
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1:
+            raise ValueError(f"q_offset must be one slot for the whole batch, got shape {tuple(q_offset.shape)}")
+        if backend == "triton" and L == 1:  # static-cache decode: plan on the device, read nothing back
+            starts = None if kv_start is None else torch.as_tensor(kv_start).to(q.device)
+            if starts is not None and starts.shape != (B,):
+                raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
+            meta = decode_meta_static(B, starts, q_offset.reshape(()), N, budget)
+            return Step(kv_start=None, q_offset=None, meta=meta, **shape)
+        q_offset = int(q_offset)
     if q_offset is None:
         q_offset = N - L
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise TypeError(f"q_offset must be an integer, got {q_offset!r}")
     if not (0 <= q_offset <= N - L):
         raise ValueError(f"q_offset={q_offset} puts the {L} queries outside the {N} key slots")
-    if kv_start is None:
-        kv_start = torch.zeros(B, dtype=torch.long)
-    kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
+    kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start)
+    if kv_start.is_floating_point() or kv_start.dtype == torch.bool:
+        raise TypeError(f"kv_start must hold integers, got {kv_start.dtype}")
+    kv_start = kv_start.to(torch.long).cpu()
     if kv_start.shape != (B,):
         raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(kv_start.shape)}")
     if bool((kv_start < 0).any()) or bool((kv_start > q_offset + L - 1).any()):
         raise ValueError(f"kv_start {kv_start.tolist()} leaves a sequence without keys (valid range 0..{q_offset + L - 1})")
-    if scale is None:
-        scale = D**-0.5
-    return float(scale), kv_start, int(q_offset)
+    meta = None
+    if backend == "triton" and L == 1:
+        meta = decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset, budget=budget)
+    return Step(kv_start=kv_start, q_offset=q_offset, meta=meta, **shape)
 
 
-def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backend="reference") -> torch.Tensor:
-    """Exact causal GQA attention. Returns ``[B, HQ, L, D]``; queries at padding slots get zeros."""
-    scale, kv_start, q_offset = _check(q, k, v, scale, kv_start, q_offset, backend)
-    if backend == "triton":
-        mod = _triton(q, k)
-        fn = mod.dense_decode if q.shape[2] == 1 else mod.dense_prefill
-        return fn(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset)
-    return reference.dense_attention(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset)
-
-
-def select(q, k, *, budget: Budget = Budget(), scale=None, kv_start=None, q_offset=None, shared: bool = False,
-           backend="reference") -> Selection:
-    """Anchor selection: exact post-softmax probabilities pooled per KV head (over the ``G`` heads of the group,
-    and over each tile of ``budget.tile`` queries in prefill), then the top-k keys per (sequence, KV head, row)
-    with the spec's budget (``kascade.budget.Budget``). Prefill tiles choose among keys strictly before the tile;
-    a decode query chooses among all keys. ``shared=True`` pools over all KV heads too and gives every head the
-    same set (the non-head-aware baseline; not Kascade's default)."""
-    if not isinstance(budget, Budget):
-        raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
-    scale, kv_start, q_offset = _check(q, k, None, scale, kv_start, q_offset, backend)
-    if backend == "triton":
-        if shared:
-            raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
-        mod = _triton(q, k)
-        fn = mod.select_decode if q.shape[2] == 1 else mod.select_prefill
-        return fn(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset)
-    return reference.select(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, shared=shared)
-
-
-def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None, q_offset=None, backend="reference"):
-    """Attention of each query over its row's selected keys (softmax renormalised over them), plus, in prefill,
-    causal attention within its own tile. Returns ``[B, HQ, L, D]``."""
-    scale, kv_start, q_offset = _check(q, k, v, scale, kv_start, q_offset, backend)
-    if not isinstance(selection, Selection):
-        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(selection).__name__}")
+def _step(step, q, k, v, **given) -> Step:
+    """The step an op runs with: ``step`` (checked against the tensors' shapes: no values, no synchronisation) or
+    one planned from ``given`` (kv_start, q_offset, backend, budget)."""
+    if step is None:
+        _check_tensors(q, k, v)
+        return plan_step(q, k, **{n: x for n, x in given.items() if x is not None})
+    if not isinstance(step, Step):
+        raise TypeError(f"step must be a kascade.ops.Step (from plan_step), got {type(step).__name__}")
+    extra = [n for n, x in given.items() if x is not None]
+    if extra:
+        raise ValueError(f"{', '.join(extra)} come from the step: do not pass them with step=")
     B, HQ, L, D = q.shape
     _, H, N, _ = k.shape
-    idx = selection.indices
+    want = (step.batch, step.q_heads, step.queries, step.head_dim, step.kv_heads, step.keys)
+    if (B, HQ, L, D, H, N) != want or (v is not None and v.shape != k.shape):
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the step's shapes "
+                         f"(q [{step.batch}, {step.q_heads}, {step.queries}, {step.head_dim}], "
+                         f"k [{step.batch}, {step.kv_heads}, {step.keys}, {step.head_dim}])")
+    if q.device != step.device or q.dtype != step.dtype:
+        raise ValueError(f"q is {q.dtype} on {q.device}, the step was planned for {step.dtype} on {step.device}")
+    return step
+
+
+def _scale(scale, q) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ops
+# ----------------------------------------------------------------------------------------------------------------
+def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backend=None, step: Step | None = None):
+    """Exact causal GQA attention. Returns ``[B, HQ, L, D]``; queries at padding slots get zeros."""
+    step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend)
+    scale = _scale(scale, q)
+    if step.backend == "triton":
+        if step.decode:
+            return _kernels(step).dense_decode(q, k, v, scale=scale, meta=step.meta)
+        return _kernels(step).dense_prefill(q, k, v, scale=scale, step=step)
+    return reference.dense_attention(q, k, v, scale=scale, kv_start=step.kv_start, q_offset=step.q_offset)
+
+
+def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, shared: bool = False,
+           backend=None, step: Step | None = None, depth: float | None = None) -> Selection:
+    """Anchor selection: exact post-softmax probabilities pooled per KV head (over the ``G`` heads of the group,
+    and over each tile of ``budget.tile`` queries in prefill), then the top-k keys per (sequence, KV head, row)
+    with the spec's budget (:class:`kascade.budget.Budget`). Prefill tiles choose among keys strictly before the
+    tile; a decode query chooses among all keys. ``shared=True`` pools over all KV heads too and gives every head
+    the same set (the non-head-aware baseline; not Kascade's default).
+
+    ``depth`` (a multiplier of each row's budget): a *ranked* selection for plans whose layers keep different
+    numbers of keys: per row the ``scaled(c, depth, candidates)`` best keys (``c`` the row's budget) in descending
+    pooled probability (ties: the earlier key first), -1 padded at the end."""
+    step = _step(step, q, k, None, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
+    scale = _scale(scale, q)
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not depth > 0):
+        raise ValueError(f"depth must be a positive number, got {depth!r}")
+    if step.backend == "triton":
+        if shared:
+            raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
+        if step.decode:
+            return _kernels(step).select_decode(q, k, budget=step.budget, scale=scale, meta=step.meta, depth=depth)
+        return _kernels(step).select_prefill(q, k, scale=scale, step=step, depth=depth)
+    return reference.select(q, k, budget=step.budget, scale=scale, kv_start=step.kv_start, q_offset=step.q_offset,
+                            shared=shared, depth=depth)
+
+
+def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, backend=None,
+                 step: Step | None = None, depth: float | None = None) -> tuple[torch.Tensor, Selection]:
+    """Layer 0: :func:`dense_attention` and :func:`select` of the same inputs, from one pass where the backend
+    has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``."""
+    step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
+    scale = _scale(scale, q)
+    if step.backend == "triton":
+        if step.decode:
+            return _kernels(step).dense_select_decode(q, k, v, budget=step.budget, scale=scale, meta=step.meta,
+                                                      depth=depth)
+        return _kernels(step).dense_select_prefill(q, k, v, scale=scale, step=step, depth=depth)
+    return (dense_attention(q, k, v, scale=scale, step=step),
+            select(q, k, scale=scale, step=step, depth=depth))
+
+
+def _check_selection(sel: Selection, step: Step) -> None:
+    """A selection fits the step's queries: shape, rows, and (with host geometry) which keys it may name."""
+    if not isinstance(sel, Selection):
+        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(sel).__name__}")
+    idx = sel.indices
+    B, H = step.batch, step.kv_heads
     if idx.dim() != 4 or idx.shape[0] != B or idx.shape[1] != H:
         raise ValueError(f"selection indices must be [B={B}, H={H}, R, K], got {tuple(idx.shape)}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"selection indices must be int32 or int64, got {idx.dtype}")
-    if selection.decode != (L == 1):
-        raise ValueError(f"a {'decode' if selection.decode else 'prefill'} selection cannot serve {L} queries")
-    if idx.numel() and (int(idx.max()) >= q_offset + L or int(idx.min()) < -1):
-        raise ValueError(f"selection indices must lie in [-1, {q_offset + L}), got [{int(idx.min())}, {int(idx.max())}]")
-    if backend == "triton":
-        mod = _triton(q, k)
-        if L == 1:
-            return mod.sparse_decode(q, k, v, selection.indices, scale=scale, kv_start=kv_start)
-        return mod.sparse_prefill(q, k, v, selection, scale=scale, kv_start=kv_start, q_offset=q_offset)
-    return reference.sparse_attention(q, k, v, selection, scale=scale, kv_start=kv_start, q_offset=q_offset)
+    if idx.device != step.device:
+        raise ValueError(f"selection indices are on {idx.device}, the queries on {step.device}")
+    if sel.decode != step.decode:
+        raise ValueError(f"a {'decode' if sel.decode else 'prefill'} selection cannot serve {step.queries} queries")
+    if not sel.decode and sel.tile != step.budget.tile:
+        raise ValueError(f"the selection was made with tile {sel.tile}, the step's budget has tile {step.budget.tile}")
+    if sel.counts is not None:
+        want = (B,) if sel.decode else (B, idx.shape[2])
+        if tuple(sel.counts.shape) != want or sel.counts.dtype != torch.int32:
+            raise ValueError(f"selection counts must be int32 of shape {list(want)}, got {sel.counts.dtype} "
+                             f"{tuple(sel.counts.shape)}")
+
+
+def _check_selection_values(sel: Selection, step: Step) -> None:
+    """What only the values can tell (reads them back: not on the hot path): rows are this call's tiles, every
+    key is a valid key its row may see (before the tile in prefill), no key twice, -1 only at the end."""
+    s = sel.as_set()
+    idx = s.indices.long().cpu()
+    if not step.decode:
+        first, count = step.tiles()
+        if idx.shape[2] != int(count.max()):
+            raise ValueError(f"the selection has {idx.shape[2]} rows; this call's queries span {int(count.max())} "
+                             "tiles (was it made for another call?)")
+        if not torch.equal(sel.row_start.long().cpu(), first):
+            raise ValueError(f"the selection's rows start at tiles {sel.row_start.tolist()}, this call's queries at "
+                             f"{first.tolist()} (was it made for another chunk?)")
+    pad = idx < 0
+    if bool((pad[..., :-1] & ~pad[..., 1:]).any()):
+        raise ValueError("selection rows must hold their keys first and -1 padding only at the end")
+    if bool((idx[..., 1:] == idx[..., :-1])[~pad[..., 1:]].any()):
+        raise ValueError("a selection row names the same key twice")
+    start = step.kv_start[:, None, None, None]
+    if step.decode:
+        end = (step.q_offset + 1) * torch.ones_like(start)
+    else:
+        end = start + (first[:, None, None, None] + torch.arange(idx.shape[2])[None, None, :, None]) * step.budget.tile
+    bad = ~pad & ((idx < start) | (idx >= end))
+    if bool(bad.any()):
+        b, h, r, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"selection key slot {int(idx[b, h, r, j])} (sequence {b}, head {h}, row {r}) is not a key "
+                         f"that row may attend (valid: [{int(start[b, 0, 0, 0])}, {int(end[b, 0, r if not step.decode else 0, 0])}))")
+
+
+def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None, q_offset=None, backend=None,
+                     step: Step | None = None):
+    """Attention of each query over its row's selected keys (softmax renormalised over them), plus, in prefill,
+    causal attention within its own tile. Returns ``[B, HQ, L, D]``.
+
+    Without ``step`` the selection is checked against the call in full (rows, key ranges, repeats); with ``step``
+    only its shape is (the runtime's hot path: selections made by this step's ops)."""
+    checked = step is not None
+    own_tile = None if checked or not isinstance(selection, Selection) else Budget(tile=selection.tile)
+    step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=own_tile)
+    _check_selection(selection, step)
+    if not checked:
+        _check_selection_values(selection, step)
+    scale = _scale(scale, q)
+    if step.backend == "triton":
+        if step.decode:
+            return _kernels(step).sparse_decode(q, k, v, selection.indices, scale=scale, counts=selection.counts)
+        return _kernels(step).sparse_prefill(q, k, v, selection, scale=scale, step=step, counts=selection.counts)
+    return reference.sparse_attention(q, k, v, selection, scale=scale, kv_start=step.kv_start,
+                                      q_offset=step.q_offset)
 
 
 def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: int, num_kv_heads: int) -> tuple[int, int]:
@@ -166,6 +312,7 @@ def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: in
     ``selection=None`` means dense. Counts are per KV head: the G query heads of a group share a set."""
     kv_start = torch.as_tensor(kv_start, dtype=torch.long).cpu()
     att = dense = 0
+    cnt_all = None if selection is None else selection.attended_counts().cpu()  # [B, H, R]
     for b in range(kv_start.shape[0]):
         n = q_offset + L - int(kv_start[b])
         pos = torch.arange(max(0, n - L), n)  # positions of this sequence's real queries
@@ -174,7 +321,7 @@ def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: in
         if selection is None:
             att += d
             continue
-        cnt = (selection.indices[b] >= 0).sum(-1).cpu()  # [H, R]
+        cnt = cnt_all[b]  # [H, R]
         if selection.decode:
             att += int(cnt[:, 0].sum())
             continue

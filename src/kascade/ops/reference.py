@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..budget import Budget
-from .selection import Selection, stack_rows
+from ..budget import Budget, scaled
+from .selection import Selection, sort_padded, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
 _CHUNK_ELEMS = 1 << 26
@@ -118,18 +118,27 @@ def _topk_sorted(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
     H, R, m = scores.shape
     K = max(counts) if counts else 0
     idx = scores.topk(K, dim=-1).indices if K > 0 else scores.new_zeros(H, R, 0, dtype=torch.long)
-    slot = torch.arange(K, device=scores.device)
-    keep = slot[None, :] < torch.tensor(counts, device=scores.device)[:, None]  # [R, K]
-    big = torch.iinfo(torch.long).max
-    idx = torch.where(keep, idx, big).sort(-1).values
-    return torch.where(idx == big, -1, idx)
+    keep = torch.arange(K, device=scores.device)[None, :] < torch.tensor(counts, device=scores.device)[:, None]
+    return sort_padded(idx, keep)
+
+
+def _topk_ranked(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """:func:`_topk_sorted` in rank order: row ``r`` holds its ``counts[r]`` largest entries' indices in descending
+    score, -1 padded."""
+    H, R, m = scores.shape
+    K = max(counts) if counts else 0
+    top = scores.topk(K, dim=-1).indices if K else scores.new_zeros(H, R, 0, dtype=torch.long)
+    keep = torch.arange(K, device=scores.device)[None, :] < torch.tensor(counts, device=scores.device)[:, None]
+    return torch.where(keep[None], top, -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Selection
 # ----------------------------------------------------------------------------------------------------------------
-def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False) -> tuple[torch.Tensor, int]:
-    """One sequence in prefill: indices ``[H, R, K]`` (compact key positions) and the first row's tile."""
+def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False,
+                        depth: float | None = None) -> tuple[torch.Tensor, int]:
+    """One sequence in prefill: indices ``[H, R, K]`` (compact key positions) and the first row's tile; ranked to
+    ``depth`` times each row's budget when ``depth`` is given."""
     H, n, _ = k.shape
     T = budget.tile
     t_first = (n - q.shape[1]) // T
@@ -138,8 +147,12 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
         c, m = pooled.shape[1], pooled.shape[2]
         s = torch.arange(t0, t0 + c, device=q.device) * T  # first position of each tile
         cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], float("-inf"))
-        cnt = [budget.prefill_tile(int(x), n) for x in s]
-        rows.append(_topk_sorted(cand, cnt))
+        if depth is None:
+            cnt = [budget.prefill_tile(int(x), n) for x in s]
+            rows.append(_topk_sorted(cand, cnt))
+        else:
+            cnt = [scaled(budget.prefill_tile(int(x), n), depth, int(x)) for x in s]
+            rows.append(_topk_ranked(cand, cnt))
         counts += cnt
     K = max(counts)
     idx = torch.full((H, len(counts), K), -1, dtype=torch.long, device=q.device)
@@ -151,8 +164,8 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
 
 
 def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
-           shared: bool = False) -> Selection:
-    """Anchor selection. Arguments as in :func:`kascade.ops.select`."""
+           shared: bool = False, depth: float | None = None) -> Selection:
+    """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``depth`` a ranked selection."""
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)
     decode = L == 1
@@ -161,9 +174,14 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
         start, n, l = _valid_span(kv_start, q_offset, L, b)
         qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
         if decode:
-            idx, t = _topk_sorted(pooled_decode(qb, kb, scale, shared)[:, None, :], [budget.decode(n)]), 0
+            p = pooled_decode(qb, kb, scale, shared)
+            if depth is None:
+                idx = _topk_sorted(p[:, None, :], [budget.decode(n)])
+            else:
+                idx = p.topk(budget.decode_counts(n, depth), dim=-1).indices[:, None, :]
+            t = 0
         else:
-            idx, t = _select_prefill_one(qb, kb, scale, budget, shared)
+            idx, t = _select_prefill_one(qb, kb, scale, budget, shared, depth)
         per_seq.append(torch.where(idx >= 0, idx + start, -1))
         row_start.append(t)
     return Selection(
@@ -171,6 +189,7 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
         row_start=torch.tensor(row_start, dtype=torch.long, device=q.device),
         tile=budget.tile,
         decode=decode,
+        ranked=depth is not None,
     )
 
 
@@ -238,11 +257,12 @@ def sparse_attention(q, k, v, selection: Selection, *, scale: float, kv_start: t
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)
     out = torch.zeros(B, HQ, L, D, dtype=md, device=q.device)
+    selection = selection.as_set()
     for b in range(B):
         start, n, l = _valid_span(kv_start, q_offset, L, b)
         qb = q[b, :, L - l :].to(md)
         kb, vb = k[b, :, start : start + n].to(md), v[b, :, start : start + n].to(md)
-        idx = selection.indices[b]
+        idx = selection.indices[b].long()
         idx = torch.where(idx >= 0, idx - start, -1)
         if selection.decode:
             out[b, :, L - l :] = _sparse_decode_one(qb, kb, vb, idx, scale)

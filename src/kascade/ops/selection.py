@@ -6,50 +6,74 @@ from dataclasses import dataclass
 
 import torch
 
+_BIG = torch.iinfo(torch.long).max
+
+
+def sort_padded(idx: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The entries of each row of ``idx [..., K]`` that are ``>= 0`` (and ``keep``, broadcastable to it), ascending,
+    padded with -1 at the end."""
+    ok = idx >= 0 if keep is None else keep & (idx >= 0)
+    out = torch.where(ok, idx.long(), _BIG).sort(-1).values
+    return torch.where(out == _BIG, -1, out).to(idx.dtype)
+
 
 @dataclass(frozen=True)
 class Selection:
-    """Top-k key indices chosen by an anchor layer, one set per (sequence, KV head, row).
+    """Top-k key indices chosen by an anchor layer, one row per (sequence, KV head, query tile or decode query).
 
-    indices:   ``[B, H, R, K]`` int64 key slots (absolute, i.e. into the ``N`` axis of the KV cache), ascending,
-               padded with -1 at the end. (The Triton runtime path also makes int32 indices, for its own kernels,
-               and, for plans with per-layer budgets, *ranked* rows: descending pooled probability instead of
-               ascending; attention does not depend on the order, and the Triton sparse kernels need only the -1
-               padding at the end.) In prefill a row is a
-               query tile: row ``r`` of sequence ``b`` is tile
-               ``row_start[b] + r``, counted in positions from the sequence's first valid key. In decode there is
-               one row, for the single new query.
+    indices:   ``[B, H, R, K]`` int64 or int32 key slots (absolute, i.e. into the ``N`` axis of the KV cache), padded
+               with -1 at the end of each row; ascending, or in rank order (descending pooled probability) when
+               ``ranked``. In prefill row ``r`` of sequence ``b`` is tile ``row_start[b] + r``, counted in positions
+               from the sequence's first valid key; in decode there is one row, for the single new query.
     row_start: ``[B]`` int64, the tile number of row 0 (zeros in decode).
     tile:      the tile size ``T`` the rows were made with.
     decode:    whether this is a decode step (one query per sequence, no own tile).
+    ranked:    rows in rank order (an anchor of a plan whose layers keep different numbers of keys).
+    counts:    a *prefix view* of a ranked selection: only the first ``counts`` entries of a row are its keys;
+               ``[B]`` (decode) or ``[B, R]`` (prefill) int32 on the indices' device, or None (the whole row).
+
+    Attention does not depend on the order of a row's keys: the reference ops read a ranked or prefix selection
+    through :meth:`as_set`, the Triton kernels read it as it is.
     """
 
     indices: torch.Tensor
     row_start: torch.Tensor
     tile: int
     decode: bool
-
-    def remap(self, head_map) -> "Selection":
-        """The selection as seen by a reuse layer: its KV head ``h`` takes the anchor's head ``head_map[h]``."""
-        H = self.indices.shape[1]
-        hm = [int(h) for h in head_map]  # checked on the host: no device synchronisation
-        if len(hm) != H:
-            raise ValueError(f"head map has {len(hm)} entries for {H} KV heads")
-        if any(h < 0 or h >= H for h in hm):
-            raise ValueError(f"head map {hm} has heads outside 0..{H - 1}")
-        return self.take_heads(torch.tensor(hm, dtype=torch.long).to(self.indices.device))
+    ranked: bool = False
+    counts: torch.Tensor | None = None
 
     def take_heads(self, head_map: torch.Tensor) -> "Selection":
-        """:meth:`remap` with a checked ``[H]`` int64 tensor on the indices' device (the runtime's hot path)."""
-        return Selection(self.indices.index_select(1, head_map), self.row_start, self.tile, self.decode)
+        """The selection as seen by a reuse layer whose KV head ``h`` takes this selection's head ``head_map[h]``
+        (``[H]`` int64 on the indices' device)."""
+        return Selection(self.indices.index_select(1, head_map), self.row_start, self.tile, self.decode,
+                         self.ranked, self.counts)
 
-    def shared_across_heads(self) -> "Selection":
-        """Every KV head takes head 0's set (used by the non-head-aware baseline after pooling heads)."""
-        return self.remap([0] * self.indices.shape[1])
+    def prefix(self, counts: torch.Tensor, width: int) -> "Selection":
+        """The first ``counts`` entries of each row of this ranked selection (``[B]`` or ``[B, R]``), stored in the
+        first ``width`` columns (``width >= counts.max()``; no data is copied)."""
+        assert self.ranked, "only a ranked selection has meaningful prefixes"
+        return Selection(self.indices[..., :width], self.row_start, self.tile, self.decode, True, counts)
+
+    def _row_mask(self, width: int) -> torch.Tensor | None:
+        """``[B, 1, R, width]`` (prefill) or ``[B, 1, 1, width]`` (decode): entries inside the prefix."""
+        if self.counts is None:
+            return None
+        rows = self.counts[:, None] if self.counts.dim() == 1 else self.counts  # [B, R]
+        return torch.arange(width, device=self.indices.device) < rows[:, None, :, None]
+
+    def as_set(self) -> "Selection":
+        """The keys of every row, ascending and -1 padded (a ranked selection or prefix view made a plain one)."""
+        if not self.ranked and self.counts is None:
+            return self
+        return Selection(sort_padded(self.indices, self._row_mask(self.indices.shape[-1])), self.row_start,
+                         self.tile, self.decode)
 
     def attended_counts(self) -> torch.Tensor:
         """Number of selected keys per (sequence, head, row): ``[B, H, R]``."""
-        return (self.indices >= 0).sum(-1)
+        ok = self.indices >= 0
+        mask = self._row_mask(self.indices.shape[-1])
+        return (ok if mask is None else ok & mask).sum(-1)
 
 
 def stack_rows(per_seq: list[torch.Tensor], device) -> torch.Tensor:

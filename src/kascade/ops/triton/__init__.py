@@ -1,21 +1,11 @@
-"""Triton kernels of Kascade. Importing this package imports Triton; ``kascade`` and ``kascade.ops`` never do."""
+"""Triton kernels of Kascade. Importing this package imports Triton; ``kascade`` and ``kascade.ops`` never do.
 
-from .decode import (
-    DecodeMeta,
-    anchor_decode,
-    decode_meta,
-    dense_decode,
-    dense_select_decode,
-    select_decode,
-    sparse_decode,
-)
+``common`` (numerics helpers shared by the kernels), ``decode`` (split-K decode: dense, sparse, scoring), ``prefill``
+(flash forward with LSE, tile-pooled scoring, tile-gather sparse attention) and ``topk`` (the selections: decode's
+radix select, prefill's per-tile top-k). Kernels and their launchers only; :mod:`kascade.ops` validates and
+dispatches.
+"""
 
-__all__ = [
-    "DecodeMeta",
-    "anchor_decode",
-    "decode_meta",
-    "dense_decode",
-    "dense_select_decode",
-    "select_decode",
-    "sparse_decode",
-]
+from . import common, decode, prefill, topk
+
+__all__ = ["common", "decode", "prefill", "topk"]

@@ -13,11 +13,13 @@ whatever ``G``).
 * :func:`dense_prefill`: causal flash attention forward, optionally the per-row log-sum-exp (natural log).
 * :func:`select_prefill`: anchor selection. Row statistics (the LSE, from a QK-only pass unless given), then for a
   chunk of tiles the pooled probabilities ``sum_{g, query in tile} exp(s - lse)`` against every key before the tile,
-  written to a buffer bounded by ``max_chunk_bytes``, then ``torch.topk`` per tile with the rolling budget.
+  written to a buffer bounded by ``max_chunk_bytes``, then each row's top keys (:func:`kascade.ops.triton.topk.
+  tile_topk`) with the budget's row counts.
 * :func:`sparse_prefill`: per (tile, KV head), attention of the tile's rows to its selected keys (loaded in the
   kernel from the index list) plus causal attention within the tile.
 
-Kernels only: these functions assert, they do not validate (that is :mod:`kascade.ops`' job).
+Kernels only: these functions assert, they do not validate (that is :mod:`kascade.ops`' job). The geometry comes
+from ``kv_start`` / ``q_offset`` or, once per forward, from a :class:`kascade.ops.Step` (``step=``).
 
 Numerics: scores, softmax and pooling in fp32 (log2 domain); ``p @ v`` on the tensor cores with ``p`` rounded to
 the value dtype, as in every flash-attention forward.
@@ -25,17 +27,14 @@ the value dtype, as in every flash-attention forward.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from ...budget import Budget
 from ..selection import Selection
-from .decode import LOG2E, _dot, _interpreting, _num_sms, _to_out
-
-LN2 = 0.6931471805599453
+from . import topk
+from .common import LOG2E, dot, flags, num_sms, to_out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -46,7 +45,7 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
                  RNE: tl.constexpr, GUARD: tl.constexpr):
     """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``, ``ok [M, BN]`` (or a
     broadcastable mask). GUARD: some row may have seen no key yet (all -inf), so keep exp2 finite."""
-    s = _dot(q, tl.trans(kt), F32) * qk_scale  # [M, BN], log2 domain
+    s = dot(q, tl.trans(kt), F32) * qk_scale  # [M, BN], log2 domain
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if GUARD:
@@ -57,8 +56,8 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_V:
-        pv = _to_out(p, vt.dtype, RNE)
-        acc = acc * alpha[:, None] + _dot(pv, vt, F32)
+        pv = to_out(p, vt.dtype, RNE)
+        acc = acc * alpha[:, None] + dot(pv, vt, F32)
     return m_new, l_i, acc
 
 
@@ -130,7 +129,7 @@ def _dense_kernel(
         o = tl.where(has[:, None], o, 0.0)  # padding queries: zeros
         st = (qi < BQ) & (i < L)
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
-                 + offs_d[None, :], _to_out(o, Out.dtype.element_ty, RNE), mask=st[:, None])
+                 + offs_d[None, :], to_out(o, Out.dtype.element_ty, RNE), mask=st[:, None])
     if WRITE_LSE:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + (b64 * tl.num_programs(1) * G + hq) * L + i, lse, mask=(qi < BQ) & (i < L))
@@ -184,7 +183,7 @@ def _score_kernel(
         # Scores transposed, [BLOCK_N keys, M rows], so that pooling over rows is the cheap in-thread / in-warp
         # reduction of the MMA layout rather than one across warps.
         if NSUB == 1:
-            s = _dot(kt, tl.trans(q), F32) * qk_scale
+            s = dot(kt, tl.trans(q), F32) * qk_scale
             pooled = tl.sum(tl.exp2(s - lse2[None, :]), 1)
         else:
             pooled = tl.zeros([BLOCK_N], tl.float32)
@@ -197,7 +196,7 @@ def _score_kernel(
                 q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
                             + offs_d[None, :], mask=row_ok[:, None], other=0.0)
                 lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
-                s = _dot(kt, tl.trans(q), F32) * qk_scale
+                s = dot(kt, tl.trans(q), F32) * qk_scale
                 pooled += tl.sum(tl.exp2(s - lse2[None, :]), 1)
         tl.store(buf + kpos, pooled, mask=km)
     for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
@@ -275,7 +274,7 @@ def _sparse_kernel(
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
-                 + offs_d[None, :], _to_out(o, Out.dtype.element_ty, RNE), mask=row_ok[:, None])
+                 + offs_d[None, :], to_out(o, Out.dtype.element_ty, RNE), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,15 +288,15 @@ def _heads(q, k):
     return B, HQ, H, HQ // H, L, D
 
 
-def _starts(kv_start, B, device) -> tuple[torch.Tensor, list[int]]:
-    """kv_start as an int32 device tensor and a host list (None = zeros)."""
-    host = [0] * B if kv_start is None else [int(x) for x in torch.as_tensor(kv_start).reshape(-1).tolist()]
-    assert len(host) == B
-    return torch.tensor(host, dtype=torch.int32).to(device), host
-
-
-def _flags(q):
-    return _interpreting() or q.dtype == torch.float32, _interpreting() and q.dtype == torch.bfloat16
+def _geometry(q, k, step, kv_start, q_offset) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(kv_start as int32 on the device, kv_start as int64 on the host, q_offset)`` from a step (copied to the
+    device once per step) or from the arguments (``None``: zeros / ``N - L``)."""
+    if step is not None:
+        return step.starts_on_device(), step.kv_start, step.q_offset
+    B, L, N = q.shape[0], q.shape[2], k.shape[2]
+    host = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start).reshape(-1).long().cpu()
+    assert host.shape == (B,)
+    return host.to(torch.int32).to(q.device), host, N - L if q_offset is None else int(q_offset)
 
 
 def _dense_config(G: int, D: int, has_v: bool) -> tuple[int, int, int, int]:
@@ -315,33 +314,31 @@ def _rows(G: int, M: int) -> tuple[int, int]:
     return max(1, M // G), M
 
 
-def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, return_lse=False, out=None, block_m=None,
-                  block_n=None, num_warps=None, num_stages=None):
+def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, return_lse=False, out=None,
+                  block_m=None, block_n=None, num_warps=None, num_stages=None):
     """Exact causal GQA attention. ``-> out [B, HQ, L, D]``, or ``(out, lse)`` with ``lse [B, HQ, L]`` fp32, the
     natural log-sum-exp of each row's ``scale * q k^T`` (``-inf`` at padding queries)."""
-    out, lse = _dense_run(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, has_v=True,
+    out, lse = _dense_run(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=True,
                           write_lse=return_lse, out=out, block_m=block_m, block_n=block_n, num_warps=num_warps,
                           num_stages=num_stages)
     return (out, lse) if return_lse else out
 
 
-def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, **cfg) -> torch.Tensor:
+def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) -> torch.Tensor:
     """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass)."""
-    return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, has_v=False, write_lse=True,
-                      **cfg)[1]
+    return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=False,
+                      write_lse=True, **cfg)[1]
 
 
-def _dense_run(q, k, v, *, scale, kv_start, q_offset, has_v, write_lse, out=None, block_m=None, block_n=None,
+def _dense_run(q, k, v, *, scale, kv_start, q_offset, step, has_v, write_lse, out=None, block_m=None, block_n=None,
                num_warps=None, num_stages=None):
     B, HQ, H, G, L, D = _heads(q, k)
-    N = k.shape[2]
-    q_offset = N - L if q_offset is None else int(q_offset)
     dev = q.device
-    ks, _ = _starts(kv_start, B, dev)
+    ks, _, q_offset = _geometry(q, k, step, kv_start, q_offset)
     M0, bn, nw, ns = _dense_config(G, D, has_v)
     BQ, M = _rows(G, block_m or M0)
     bn = block_n or bn
-    f32, rne = _flags(q)
+    f32, rne = flags(q)
     if has_v:
         assert v.shape == k.shape and v.stride(-1) == 1
         out = torch.empty_like(q) if out is None else out
@@ -365,60 +362,50 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
     return M, triton.cdiv(G * T, M)
 
 
-def prefill_rows(kv_start: list[int], q_offset: int, L: int, T: int) -> tuple[list[int], list[int], list[int]]:
-    """Per sequence: valid keys n_b, first tile t_first (row_start) and tiles in this call."""
-    n = [q_offset + L - s for s in kv_start]
-    t_first = [max(0, q_offset - s) // T for s in kv_start]
-    count = [(nb - 1) // T - tf + 1 for nb, tf in zip(n, t_first)]
-    return n, t_first, count
-
-
-def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, lse=None,
-                   max_chunk_bytes=64 << 20, index_dtype=torch.long, depth=None, block_n=None, num_warps=None,
+def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
+                   lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
                    num_stages=None, _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
-    shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (int64 like
-    the reference, or int32: half the memory, which the sparse kernel reads as well).
+    shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
+    the step's, else int64 like the reference; int32 is half the memory, which the sparse kernel reads as well).
+    ``budget``: the step's unless given.
 
-    ``depth`` (a float): a *ranked* selection instead, for plans whose reuse layers take different budgets
-    (:mod:`kascade.reuse`): per row the top ``round(depth * c)`` keys (``c`` the row's budget, capped by its ``s``
-    candidates) in descending pooled probability, not sorted by slot, -1 padded at the end.
+    ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
+    (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
+    probability, not sorted by slot, -1 padded at the end.
 
     Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
     buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
     B, HQ, H, G, L, D = _heads(q, k)
-    N = k.shape[2]
+    budget = budget or step.budget
+    index_dtype = index_dtype or (step.index_dtype if step is not None else torch.long)
     T = budget.tile
-    q_offset = N - L if q_offset is None else int(q_offset)
     dev = q.device
-    ks, host_start = _starts(kv_start, B, dev)
+    ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
     chunk_bytes = max_chunk_bytes
     if lse is None:
-        lse = prefill_lse(q, k, scale=scale, kv_start=ks, q_offset=q_offset, **lse_cfg)
+        lse = prefill_lse(q, k, scale=scale, kv_start=host_start, q_offset=q_offset, step=step, **lse_cfg)
         chunk_bytes = max(max_chunk_bytes - lse.numel() * 4, max_chunk_bytes // 4)  # the LSE counts as extra too
     assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
-    n, t_first, count = prefill_rows(host_start, q_offset, L, T)
-    R = max(count)
-    def row_budget(s, nb):
-        c = budget.prefill_tile(s, nb)
-        return c if depth is None else min(s, math.floor(depth * c + 0.5))
-
-    budgets = [[row_budget((t_first[b] + r) * T, n[b]) if r < count[b] else 0 for r in range(R)] for b in range(B)]
-    K = max(max(x) for x in budgets)
-    rs = torch.tensor(t_first, dtype=torch.int32).to(dev)
+    n_t = q_offset + L - host_start
+    first_t, count_t = budget.tiles(n_t, L)
+    R = int(count_t.max())
+    budgets_host = budget.row_counts(n_t, first_t, R, 1.0 if depth is None else depth)  # [B, R]
+    t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
+    K = int(budgets_host.max())
+    rs = first_t.to(torch.int32).to(dev)
     indices = torch.full((B, H, R, K), -1, dtype=index_dtype, device=dev)
     if K == 0:
-        return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
-    f32, _ = _flags(q)
+        return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
+    f32, _ = flags(q)
     M, NSUB = _tile_rows(G, T)
     bn = block_n or (64 if D <= 128 else 32)
     nw = num_warps or 4  # H200 sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms
     ns = num_stages or (3 if D <= 128 else 2)
-    sms = _num_sms(dev)
-    budgets_t = torch.tensor(budgets, dtype=torch.long).to(dev)  # [B, R]
-    start_t = torch.tensor(host_start, dtype=torch.long, device=dev)
-    big = torch.iinfo(torch.long).max
+    sms = num_sms(dev)
+    budgets_t = budgets_host.to(dev)  # [B, R]
+    start_t = host_start.to(dev)
 
     def width(r1):  # keys before the last tile of rows [.., r1): the chunk's buffer row length
         w = max(((t_first[b] + min(r1, count[b]) - 1) * T if count[b] > 0 else 0) for b in range(B))
@@ -462,38 +449,32 @@ def select_prefill(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None,
             if _scores_only:  # benchmark breakdown: the scoring kernels without the top-k
                 r0 = r1
                 continue
-            top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
+            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None)
             del buf
-            keep = torch.arange(kc, device=dev)[None, None, :] < budgets_t[:, r0:r1, None]  # [B, C, kc]
-            top = torch.where(keep[:, None], top, big)
-            if depth is None:
-                top = top.sort(-1).values
-            indices[:, :, r0:r1, :kc] = torch.where(top == big, -1, top + start_t[:, None, None, None])
-            del top, keep
+            indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
+            del top
         r0 = r1
-    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False)
+    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
 
 
-def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, out=None, counts=None,
-                   block_n=None, block_m=None, num_warps=None, num_stages=None):
+def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
+                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
     are in rank order: the order does not matter). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
-    N = k.shape[2]
     T = selection.tile
-    q_offset = N - L if q_offset is None else int(q_offset)
     dev = q.device
-    ks, host_start = _starts(kv_start, B, dev)
+    ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
     idx = selection.indices
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
     assert idx.dim() == 4 and idx.shape[:2] == (B, H) and not selection.decode
     R, KI = idx.shape[2], idx.shape[3]
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
-    f32, rne = _flags(q)
+    f32, rne = flags(q)
     M, NRB = _tile_rows(G, T, block_m)
     bn = block_n or (64 if D <= 128 else 32)
     nw = num_warps or 4  # H200 sweep (Llama, 32K): (64, 4, 3) 3.84 ms, (32, 4, 3) 4.08, (64, 8, 3) 4.65
@@ -511,7 +492,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
         G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
         HAS_CNT=counts is not None, num_warps=nw, num_stages=ns,
     )
-    for b, s in enumerate(host_start):  # queries at padding slots belong to no tile
+    for b, s in enumerate(host_start.tolist()):  # queries at padding slots belong to no tile
         if s > q_offset:
             out[b, :, : min(L, s - q_offset)].zero_()
     return out
@@ -524,12 +505,12 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
     return sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset), sel
 
 
-def dense_select_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, max_chunk_bytes=64 << 20,
-                         index_dtype=torch.long, depth=None):
+def dense_select_prefill(q, k, v, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
+                         max_chunk_bytes=64 << 20, index_dtype=None, depth=None):
     """Layer 0: the dense output (with its LSE), then the selection (ranked with ``depth``, see
     :func:`select_prefill`). ``-> (out, Selection)``."""
-    out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, return_lse=True)
-    sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, lse=lse,
+    out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, return_lse=True)
+    sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, lse=lse,
                          max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, depth=depth)
     return out, sel
 

@@ -1,0 +1,189 @@
+"""The plan of one forward step (FlashInfer's plan / run split): what every layer's ops need, built once.
+
+A model's forward runs the same key geometry through every layer: which key slots each sequence owns, where the
+queries sit, how many keys each row keeps. :class:`Step` holds it, built once per forward by
+:func:`kascade.ops.plan_step` and passed to the public ops (``step=``), which then check nothing that needs the
+device and build nothing per layer. Budget counts come from :mod:`kascade.budget`.
+
+A decode step over a static KV cache can be planned from device tensors alone (:func:`decode_meta_static`): it
+then reads nothing back to the host, so the step can be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..budget import Budget
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """Per-sequence metadata of one decode step for the Triton kernels, shared by every layer of the step.
+
+    tensor: ``[B, 4]`` int32 on the device: first valid slot (0 when paged), valid keys ``n_b``, budget ``k_b``, 0.
+    n, k:   the same ``n_b`` and ``k_b`` on the host (``k`` is ``None`` when no budget was given); for a step planned
+            on the device (:func:`decode_meta_static`) they are launch bounds: the cache capacity and its budget.
+    paged:  whether it describes a paged cache.
+    derived: tensors computed from it once per step (:meth:`with_counts`).
+    """
+
+    tensor: torch.Tensor
+    n: tuple
+    k: tuple | None
+    paged: bool
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def n_max(self) -> int:
+        return max(self.n)
+
+    @property
+    def k_max(self) -> int:
+        return max(self.k)
+
+    def counts(self, budget: Budget, scale: float) -> torch.Tensor:
+        """``[B]`` int32 on the device: the keys each sequence keeps at budget multiplier ``scale``
+        (:meth:`Budget.decode_counts` of ``n_b``), from device ops only (graph-capturable); memoised."""
+        key = ("counts", float(scale))
+        if key not in self.derived:
+            self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), scale).to(torch.int32).contiguous()
+        return self.derived[key]
+
+    def with_counts(self, budget: Budget, scale: float) -> "DecodeMeta":
+        """This metadata with each budget ``k_b`` replaced by the count at multiplier ``scale`` (what a ranked
+        selection of that depth keeps), memoised."""
+        key = ("depth", float(scale))
+        if key not in self.derived:
+            t = self.tensor.clone()
+            t[:, 2] = self.counts(budget, scale)
+            self.derived[key] = DecodeMeta(tensor=t, n=self.n, k=tuple(budget.decode_counts(n, scale) for n in self.n),
+                                           paged=self.paged)
+        return self.derived[key]
+
+
+def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, budget: Budget | None = None,
+                paged: bool = False) -> DecodeMeta:
+    """:class:`DecodeMeta` from host values. Contiguous: ``kv_start`` (``None`` = zeros, list or tensor) and
+    ``q_offset``. Paged: ``seq_lens`` (list or tensor; read on the host once)."""
+    if paged:
+        assert seq_lens is not None, "a paged cache needs seq_lens"
+        n = [int(x) for x in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+        base = [0] * B
+    else:
+        assert q_offset is not None
+        base = [0] * B if kv_start is None else [int(x) for x in torch.as_tensor(kv_start).reshape(-1).tolist()]
+        n = [q_offset + 1 - s for s in base]
+    assert len(n) == B and min(n) >= 1
+    k = None if budget is None else [budget.decode(x) for x in n]
+    rows = [[base[b], n[b], 0 if k is None else k[b], 0] for b in range(B)]
+    t = torch.tensor(rows, dtype=torch.int32).to(device)
+    return DecodeMeta(tensor=t, n=tuple(n), k=None if k is None else tuple(k), paged=paged)
+
+
+def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, budget: Budget) -> DecodeMeta:
+    """:class:`DecodeMeta` of a decode step over a static KV cache, computed on the device with no host
+    synchronisation. ``q_offset``: the new query's slot (0-d integer tensor on the device, the same for every
+    sequence); ``kv_start``: ``[B]`` integer tensor on the device, or ``None`` (no left padding); ``capacity``: the
+    cache's slots. The host ``n`` and ``k`` are launch bounds (the capacity and its budget: grid sizes and index
+    widths; the budget never decreases with ``n``); the kernels read each sequence's ``n_b`` and ``k_b`` from the
+    device tensor."""
+    dev = q_offset.device
+    start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
+    n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
+    t = torch.stack([start, n, budget.decode(n), torch.zeros_like(n)], 1).to(torch.int32)
+    return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False)
+
+
+@dataclass(eq=False)
+class Step:
+    """One forward step's plan (see the module docstring). Build it with :func:`kascade.ops.plan_step`.
+
+    backend:  "reference" or "triton"; budget: the budget every selection of the step uses.
+    batch, q_heads, kv_heads, queries, keys, head_dim, dtype, device: the shapes every layer's ``q [B, HQ, L, D]``
+              and ``k, v [B, H, N, D]`` have.
+    kv_start: ``[B]`` int64 on the host: each sequence's first valid key slot; ``None`` in a step planned on the
+              device (static-cache decode), whose geometry only ``meta`` holds.
+    q_offset: key slot of the first query (``None`` with ``kv_start``).
+    meta:     Triton decode steps: :class:`DecodeMeta`.
+    index_dtype: the dtype of the selections the step's ops make (int32 on the Triton backend: half the memory).
+    """
+
+    backend: str
+    budget: Budget
+    batch: int
+    q_heads: int
+    kv_heads: int
+    queries: int
+    keys: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_start: torch.Tensor | None
+    q_offset: int | None
+    meta: DecodeMeta | None = None
+    index_dtype: torch.dtype = torch.long
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def decode(self) -> bool:
+        return self.queries == 1
+
+    @property
+    def on_device(self) -> bool:
+        """Whether only the device knows the geometry (a static-cache decode step: graph-capturable)."""
+        return self.kv_start is None
+
+    def _host(self) -> None:
+        if self.on_device:
+            raise RuntimeError("this step was planned on the device (static-cache decode); its geometry is not on "
+                               "the host")
+
+    @property
+    def n(self) -> torch.Tensor:
+        """``[B]`` int64 on the host: each sequence's valid keys in this call."""
+        self._host()
+        return self.q_offset + self.queries - self.kv_start
+
+    @property
+    def longest(self) -> int:
+        """The most valid keys any sequence has (on the host)."""
+        return int(self.n.max())
+
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill: ``(first tile [B], tiles [B])`` of each sequence in this call (host)."""
+        return self.budget.tiles(self.n, self.queries)
+
+    @property
+    def rows(self) -> int:
+        """Rows of a selection made in this step: tiles of the longest run of tiles (1 in decode)."""
+        return 1 if self.decode else int(self.tiles()[1].max())
+
+    def starts_on_device(self) -> torch.Tensor:
+        """``kv_start`` as an int32 tensor on the step's device (copied once per step)."""
+        if "starts" not in self._memo:
+            self._memo["starts"] = self.kv_start.to(torch.int32).to(self.device)
+        return self._memo["starts"]
+
+    def counts(self, scale: float) -> tuple[torch.Tensor, int]:
+        """The keys each row keeps at budget multiplier ``scale`` (:mod:`kascade.budget`): int32 on the step's
+        device, ``[B]`` in decode or ``[B, R]`` in prefill, and the largest of them (a host bound: the width of
+        the index rows they need). Memoised per step and scale; from device ops only in a step planned on the
+        device."""
+        key = ("counts", float(scale))
+        if key not in self._memo:
+            if self.meta is not None:
+                most = max(self.budget.decode_counts(n, scale) for n in self.meta.n)
+                self._memo[key] = (self.meta.counts(self.budget, scale), most)
+            elif self.decode:
+                c = self.budget.decode_counts(self.n, scale)
+                self._memo[key] = (c.to(torch.int32).to(self.device), int(c.max()))
+            else:
+                first, _ = self.tiles()
+                c = self.budget.row_counts(self.n, first, self.rows, scale)
+                self._memo[key] = (c.to(torch.int32).to(self.device), int(c.max()) if c.numel() else 0)
+        return self._memo[key]
+
+
+__all__ = ["DecodeMeta", "Step", "decode_meta", "decode_meta_static"]

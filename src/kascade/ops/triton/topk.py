@@ -1,0 +1,218 @@
+"""Top-k selection over pooled probabilities, the step that decides an anchor layer's cost.
+
+* Decode (:func:`select_rows`): one row of pooled probabilities per (sequence, KV head), from the scores and
+  softmax statistics the split-K scoring pass wrote. A radix select on the bit pattern of the (non-negative) fp32
+  probabilities: the pooling kernel builds the histogram of the top 12 bits, two passes refine the next 12 and 7
+  bits among the elements sharing the prefix, then an ordered compaction writes every element above the exact
+  threshold and the first ones equal to it, in key order (exact; ties at the threshold go to the earliest keys).
+* Prefill (:func:`tile_topk`): the rows of a chunk of tiles, ``torch.topk`` over the chunk's score buffer.
+
+Kernels and launchers only: they assert, they do not validate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Radix selection on the bit pattern of the (non-negative) fp32 pooled probabilities: 12 + 12 + 7 bits.
+_NB1, _NB2, _NB3 = 4096, 4096, 128
+NHIST = _NB1 + _NB2 + _NB3  # histogram bins per row (the scoring pass zeroes them)
+# Keys per program in the selection passes.
+SELECT_CHUNK = 2048
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _find_bin(Hrow, kneed, NB: tl.constexpr):
+    """Bin holding the kneed-th largest element of a histogram, and how many of that bin are still needed."""
+    offs = tl.arange(0, NB)
+    cnt = tl.load(Hrow + offs)
+    incl = tl.cumsum(cnt, 0)
+    total = tl.sum(cnt, 0)
+    at_or_above = total - incl + cnt  # elements in bins >= i, non-increasing in i
+    sel = tl.sum((at_or_above >= kneed).to(tl.int32), 0) - 1
+    above = tl.sum(tl.where(offs > sel, cnt, 0), 0)
+    return sel, kneed - above
+
+
+@triton.jit
+def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
+                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
+                 CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr, HIST: tl.constexpr):
+    """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // H
+    h = row % H
+    n = tl.load(Meta + b * 4 + 1)
+    offs_g = tl.arange(0, GP)
+    gm = offs_g < G
+    hq = row * G + offs_g  # = b * HQ + h * G + g
+    offs_s = tl.arange(0, S_PAD)
+    sm = offs_s < S
+    # softmax statistics of each head of the group, merged over splits
+    stp = (hq * S)[:, None] + offs_s[None, :]
+    m = tl.load(Mx + stp, mask=gm[:, None] & sm[None, :], other=float("-inf"))  # [GP, S_PAD]
+    l = tl.load(Ls + stp, mask=gm[:, None] & sm[None, :], other=0.0)
+    mx = tl.where(gm, tl.max(m, 1), 0.0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx[:, None]))
+    inv_l = tl.where(gm, 1.0 / tl.sum(l * w, 1), 0.0)
+    # pooled probabilities [CH]
+    pos = c * CH + tl.arange(0, CH)
+    pm = pos < n
+    s = tl.load(Sc + (hq.to(tl.int64) * sc_row)[:, None] + pos[None, :], mask=gm[:, None] & pm[None, :],
+                other=float("-inf"))
+    p = tl.sum(tl.exp2(s - mx[:, None]) * inv_l[:, None], 0)
+    p = tl.where(pm, p, -1.0)  # below every probability: never selected by torch.topk
+    tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
+    if HIST:
+        # One relaxed global atomic per key (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower
+        # than the scoring pass in our measurement); the bins of one row are spread over ~2^4 per exponent.
+        key = p.to(tl.int32, bitcast=True)
+        tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=pm, sem="relaxed")
+
+
+@triton.jit
+def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
+                  H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+    """LEVEL 2 / 3: histogram of the next bits among the elements that share the prefix found so far.
+    LEVEL 4: count, per chunk, the elements above the exact threshold and equal to it."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // H
+    n = tl.load(Meta + b * 4 + 1)
+    pos = c * CH + tl.arange(0, CH)
+    pm = pos < n
+    key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=0.0).to(tl.int32, bitcast=True)
+    hrow = Hist + row * NHIST
+    if LEVEL == 2:
+        kk = tl.load(Meta + b * 4 + 2)
+        b1, r1 = _find_bin(hrow, kk, 4096)
+        tl.store(State + row * 4 + 0, b1)
+        tl.store(State + row * 4 + 1, r1)
+        match = pm & ((key >> 19) == b1)
+        tl.atomic_add(hrow + 4096 + ((key >> 7) & 4095), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
+    elif LEVEL == 3:
+        b1 = tl.load(State + row * 4 + 0)
+        r1 = tl.load(State + row * 4 + 1)
+        b2, r2 = _find_bin(hrow + 4096, r1, 4096)
+        prefix = (b1 << 12) | b2
+        tl.store(State + row * 4 + 2, prefix)
+        tl.store(State + row * 4 + 3, r2)
+        match = pm & ((key >> 7) == prefix)
+        tl.atomic_add(hrow + 8192 + (key & 127), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
+    else:
+        prefix = tl.load(State + row * 4 + 2)
+        r2 = tl.load(State + row * 4 + 3)
+        b3, r3 = _find_bin(hrow + 8192, r2, 128)
+        thr = (prefix << 7) | b3
+        tl.store(State + row * 4 + 0, thr)
+        tl.store(State + row * 4 + 1, r3)
+        gt = tl.sum((pm & (key > thr)).to(tl.int32), 0)
+        eq = tl.sum((pm & (key == thr)).to(tl.int32), 0)
+        tl.store(Cnt + (row * C + c) * 2 + 0, gt)
+        tl.store(Cnt + (row * C + c) * 2 + 1, eq)
+
+
+@triton.jit
+def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
+                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr):
+    """Ordered compaction: every element above the threshold, and the first ones equal to it, in key order."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // H
+    n = tl.load(Meta + b * 4 + 1)
+    kb = tl.load(Meta + b * 4 + 2)
+    if PAGED:
+        base = 0
+    else:
+        base = tl.load(Meta + b * 4)
+    thr = tl.load(State + row * 4 + 0)
+    need = tl.load(State + row * 4 + 1)  # elements equal to thr to take
+    offs_c = tl.arange(0, C_PAD)
+    before = offs_c < c
+    gt_before = tl.sum(tl.load(Cnt + (row * C + offs_c) * 2, mask=before, other=0), 0)
+    eq_before = tl.sum(tl.load(Cnt + (row * C + offs_c) * 2 + 1, mask=before, other=0), 0)
+    pos = c * CH + tl.arange(0, CH)
+    pm = pos < n
+    key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=0.0).to(tl.int32, bitcast=True)
+    gt = pm & (key > thr)
+    eq = pm & (key == thr)
+    eqi = eq.to(tl.int32)
+    eq_rank = tl.cumsum(eqi, 0) - eqi + eq_before
+    sel = gt | (eq & (eq_rank < need))
+    seli = sel.to(tl.int32)
+    dst = gt_before + tl.minimum(eq_before, need) + tl.cumsum(seli, 0) - seli
+    tl.store(Out + row.to(tl.int64) * KMAX + dst, (base + pos).to(tl.int64), mask=sel)
+    if c == 0:
+        for p0 in range(kb, KMAX, CH):
+            pp = p0 + tl.arange(0, CH)
+            tl.store(Out + row.to(tl.int64) * KMAX + pp, tl.full([CH], -1, tl.int64), mask=pp < KMAX)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False) -> torch.Tensor:
+    """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` int64 key slots (logical
+    positions when paged), -1 padded; ``meta`` (:class:`kascade.ops.step.DecodeMeta`) gives each row's count
+    ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and
+    sums, ``Hist [B*H, NHIST]`` zeroed. ``method``: "radix" (exact, ties to the earliest keys) or "topk"
+    (``torch.topk`` on the pooled row). Ascending slots, or with ``ranked`` in descending pooled probability (the
+    radix select picks the keys, then only they are sorted)."""
+    dev = Sc.device
+    sc_row = Sc.shape[-1]
+    KMAX = meta.k_max
+    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
+    C = triton.cdiv(meta.n_max, ch)
+    rows = B * H
+    Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
+    radix = method == "radix"
+    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
+                            GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
+                            NB1=_NB1, HIST=radix)
+    if radix:
+        State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
+        Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
+        for level in (2, 3, 4):
+            _radix_kernel[(C, rows)](Pooled, meta.tensor, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST,
+                                     LEVEL=level)
+        indices = torch.empty(B, H, 1, KMAX, dtype=torch.long, device=dev)
+        _write_kernel[(C, rows)](Pooled, meta.tensor, State, Cnt, indices, sc_row, C, KMAX, H=H, CH=ch,
+                                 C_PAD=triton.next_power_of_2(C), PAGED=meta.paged)
+        if ranked:  # rank the selected keys only: a sort of K values, not a top-k over all n
+            base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
+            sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
+            vals = Pooled.view(B, H, sc_row).gather(-1, (sel - base).clamp(min=0))
+            vals = torch.where(sel >= 0, vals, float("-inf"))
+            order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep the earlier key first
+            indices = sel.gather(-1, order)[:, :, None, :]
+        return indices
+    assert method == "topk", method
+    top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
+    kb = meta.tensor[:, 2].long()  # on the device: no host copy, so this path can be captured in a graph
+    keep = torch.arange(KMAX, device=dev)[None, :] < kb[:, None]  # [B, KMAX]
+    big = torch.iinfo(torch.long).max
+    top = torch.where(keep[:, None, :], top, big)
+    if not ranked:
+        top = top.sort(-1).values
+    base = meta.tensor[:, 0].long()[:, None, None]
+    return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :]
+
+
+def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False) -> torch.Tensor:
+    """Top keys of a chunk of prefill rows: ``buf [B, H, C, W]`` fp32 pooled probabilities (-inf where a key is
+    not a candidate), ``counts [B, C]`` (on the device) keys per row, ``kc >= counts.max()`` (a host bound).
+    ``-> [B, H, C, kc]`` int64 positions into the buffer, -1 padded; ascending, or with ``ranked`` in descending
+    probability."""
+    top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
+    keep = torch.arange(kc, device=buf.device)[None, None, :] < counts[:, :, None]  # [B, C, kc]
+    big = torch.iinfo(torch.long).max
+    top = torch.where(keep[:, None], top, big)
+    if not ranked:
+        top = top.sort(-1).values
+    return torch.where(top == big, -1, top)
