@@ -37,10 +37,11 @@ def _max(a, b):
 def scaled(count, scale: float, limit):
     """A count at budget multiplier ``scale``: ``min(limit, round(scale * count))`` (halves round up), the keys a
     layer with a per-layer budget keeps of a row whose faithful count is ``count`` and whose candidates number
-    ``limit``."""
+    ``limit``; at least one key when the row keeps any (a small scale never leaves a query without keys)."""
     if isinstance(count, torch.Tensor):
-        return _min(torch.floor(count.double() * scale + 0.5).long(), limit)
-    return _min(limit, math.floor(scale * count + 0.5))
+        c = torch.floor(count.double() * scale + 0.5).long()
+        return _min(torch.maximum(c, count.clamp(max=1)), limit)
+    return _min(limit, max(math.floor(scale * count + 0.5), min(count, 1)))
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,12 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     if getattr(tok, "clean_up_tokenization_spaces", False):
         tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers, and transformers warns about it
     return model, tok
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for passing a KV cache to ``model``'s forward: ``cache`` in the transformers versions that
+    name it so, ``past_key_values`` in the older ones (the newer ones still take it, with a deprecation warning)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}

@@ -171,3 +171,29 @@ def test_low_precision_inputs(dtype):
     assert got.dtype == dtype
     ref_err = (sparse_attention(ql.double(), kl.double(), vl.double(), sel).to(dtype).double() - want).abs().max()
     assert (got.double() - want).abs().max() <= 2 * ref_err + 1e-6
+
+
+def test_huge_tile_and_short_call_allocate_only_what_the_call_needs(monkeypatch):
+    """A chunk of one tile lays out only the call's queries, in blocks: a tile of 10**6 for 40 tokens works (it
+    used to lay out 10**6 query rows squared) and every block size gives the brute-force result."""
+    B, HQ, H, N, D = 1, 4, 2, 40, 16
+    q, k, v = _inputs(B, HQ, H, N, N, D, seed=21)
+    huge = Budget(ratio=0.5, k_min=4, tile=10**6)
+    sel = select(q, k, budget=huge)
+    assert sel.indices.shape[2] == 1 and (sel.indices >= 0).sum() == 0  # one tile, no earlier keys: all own tile
+    torch.testing.assert_close(sparse_attention(q, k, v, sel), dense_attention(q, k, v), rtol=1e-12, atol=1e-12)
+    # a chunked call inside one tile of 64: selected keys before it would be none; own-tile keys before the chunk
+    budget = Budget(ratio=0.5, k_min=4, tile=64)
+    qc = q[:, :, 25:]
+    scale = D**-0.5
+    sel = select(qc, k, budget=budget, q_offset=25)
+    masks = bf.masks(qc, k, budget=budget, scale=scale, kv_start=torch.tensor([0]), q_offset=25)
+    want = bf.masked_attention(qc, k, v, [m for m, *_ in masks], scale=scale, kv_start=torch.tensor([0]), q_offset=25)
+    for elems in (1 << 26, 300, 1):  # one block, a few, one query per block
+        monkeypatch.setattr(reference, "_CHUNK_ELEMS", elems)
+        got = sparse_attention(qc, k, v, sel, q_offset=25)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        pooled = list(reference.iter_pooled_prefill(qc[0], k[0], scale, 64))
+        assert len(pooled) == 1 and pooled[0][1].shape == (H, 1, N)
+        full = bf.full_probs(qc[0], k[0], scale).view(H, HQ // H, 15, N).sum((1, 2))
+        torch.testing.assert_close(pooled[0][1][:, 0], full, rtol=1e-10, atol=1e-10)

@@ -16,8 +16,11 @@ captured after them), the rest from replays; all of them are real greedy tokens.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from ..models import cache_kwargs
 from .hf import attach
 from .runtime import DenseRuntime
 
@@ -44,15 +47,17 @@ class GraphDecoder:
             raise ValueError(f"warmup must be >= 1 (a graph is captured after eager steps), got {warmup}")
         self.batch_size, self.max_cache_len, self.warmup = int(batch_size), int(max_cache_len), int(warmup)
         self.cache = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
+        self._cache = cache_kwargs(model, self.cache)
         self.ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.device)  # the step's input
         self.graph = None
+        self._captured_under = None  # the attention routing the graph was captured under (_routing)
         self.last_logits = None  # the prefill's last-position logits [B, V]
         self.length = 0  # tokens in the cache
         self._eager_steps = 0
 
     @torch.no_grad()
     def _forward(self) -> None:
-        logits = self.model(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits
+        logits = self.model(input_ids=self.ids, use_cache=True, **self._cache).logits
         self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
 
     @torch.no_grad()
@@ -64,13 +69,17 @@ class GraphDecoder:
         if L + 1 > self.max_cache_len:
             raise ValueError(f"a prompt of {L} tokens leaves no room to decode in a cache of {self.max_cache_len}")
         self.cache.reset()
-        logits = self.model(input_ids=input_ids.to(self.device), past_key_values=self.cache, use_cache=True,
-                            logits_to_keep=1).logits
+        logits = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1,
+                            **self._cache).logits
         self.last_logits = logits[:, -1]
         self.ids.copy_(self.last_logits.argmax(-1, keepdim=True))
         self.length = L
         self._eager_steps = 0
         return self.ids.clone()
+
+    def _routing(self):
+        """What the model's attention is routed to: its implementation and Kascade's handle (None: not enabled)."""
+        return self.model.config._attn_implementation, getattr(self.model, "_kascade_handle", None)
 
     def step(self) -> torch.Tensor:
         """One decode step: feeds the last token, returns the next ``[B, 1]`` (a view, overwritten next step)."""
@@ -78,6 +87,12 @@ class GraphDecoder:
             raise RuntimeError("call prefill before step")
         if self.length + 1 > self.max_cache_len:
             raise RuntimeError(f"the static cache of {self.max_cache_len} slots is full")
+        if self.graph is not None and self._routing() != self._captured_under:
+            # A replay would run the kernels of the routing it was captured under, over buffers that routing may
+            # have freed: capture again (after eager steps) under the routing the model has now.
+            warnings.warn("the model's attention routing changed since this decoder captured its CUDA graph "
+                          "(Kascade enabled, disabled or re-enabled); capturing a new graph", stacklevel=2)
+            self.graph, self._captured_under, self._eager_steps = None, None, 0
         if self.graph is not None:
             self.graph.replay()
         elif self.use_graph and self._eager_steps >= self.warmup:
@@ -96,7 +111,8 @@ class GraphDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._forward()  # recorded, not run: the cache does not advance here
-        self.graph = graph
+        # holding the routing (Kascade's handle, hence its runtime) keeps alive what the graph reads
+        self.graph, self._captured_under = graph, self._routing()
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy tokens ``[B, max_new_tokens]`` after ``input_ids``."""

@@ -1,127 +1,25 @@
 """Route a transformers model's attention through Kascade, reversibly.
 
 ``enable`` registers one attention function and one mask function under the name ``"kascade"`` in transformers'
-registries (at call time, never at import), switches the model's attention implementation to it, and attaches a
-:class:`KascadeRuntime` to each attention module. ``disable`` (or leaving the ``with`` block) puts the previous
-implementation back and detaches everything, so the model computes exactly what it computed before.
-
-Per forward pass (one prefill or one decode step) the mask function reads the key geometry from the padding mask
-(:class:`KeyMask`), and the runtime (:mod:`kascade.integration.runtime`) plans the step at layer 0 and keeps the
-forward's state on that mask object, so that every later layer, and no other forward, sees it.
+registries (at call time, never at import; :mod:`kascade.integration.attention`), switches the model's attention
+implementation to it, and attaches a runtime (:class:`~kascade.integration.runtime.KascadeRuntime`) to each
+attention module. ``disable`` (or leaving the ``with`` block) puts the previous implementation back and detaches
+everything, so the model computes exactly what it computed before. :func:`attach` is the mechanism under it: any
+runtime can be attached (calibration's statistics recorder, the dense and no-attention baselines of the benchmark).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from .. import ops
 from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
+from .attention import ATTN_NAME, register
 from .runtime import KascadeRuntime
 
-ATTN_NAME = "kascade"
 BACKENDS = ("auto", "reference", "triton")
-
-
-@dataclass(eq=False)
-class KeyMask:
-    """What Kascade's mask function hands to every attention layer of one forward instead of a 4-D mask.
-
-    kv_start: ``[B]`` int64 on the host, each sequence's first valid key slot (left padding before it); in a decode
-              step over a static cache a ``[B]`` tensor on the device, or None (no padding).
-    q_offset: key slot of the first query of this call; in a decode step over a static cache a 0-d tensor on the
-              device (so the step needs no host synchronisation and can be captured in a CUDA graph).
-    state:    the forward's state, made by the runtime at layer 0 and read by every later layer (one per forward:
-              concurrent forwards on one model each have their own mask object).
-    """
-
-    kv_start: torch.Tensor | None
-    q_offset: int | torch.Tensor
-    state: object = None
-    begun: bool = False
-
-
-def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs) -> KeyMask:
-    """Mask function registered in transformers' ``AttentionMaskInterface`` under ``"kascade"``. It runs once per
-    forward, before any layer: everything the padding mask can get wrong is refused here, before the KV cache
-    changes."""
-    from transformers.masking_utils import causal_mask_function
-
-    if mask_function is not causal_mask_function:
-        raise ValueError(
-            "Kascade supports plain causal attention only; this model asked for another mask pattern "
-            f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"
-        )
-    if isinstance(q_offset, torch.Tensor) and q_length == 1:
-        # Static cache, decode step: stay on the device. The cache advances this very tensor in place during the
-        # forward, hence the copy; the padding check happened when the prompt was prefilled.
-        kv_start = None
-        if attention_mask is not None:
-            valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-            kv_start = valid.to(torch.int32).argmax(1)
-        return KeyMask(kv_start=kv_start, q_offset=q_offset.reshape(()).clone() - int(kv_offset))
-    q_slot = int(q_offset) - int(kv_offset)
-    if attention_mask is None:
-        return KeyMask(kv_start=torch.zeros(batch_size, dtype=torch.long), q_offset=q_slot)
-    if attention_mask.dim() != 2:
-        raise ValueError(f"Kascade takes a 2-D padding mask (attention_mask=[B, N] of 0/1), got shape "
-                         f"{tuple(attention_mask.shape)}")
-    v = attention_mask[:, kv_offset : kv_offset + q_slot + q_length].to(torch.bool).cpu()
-    if v.shape[1] < q_slot + q_length:  # a mask shorter than the keys: the rest is valid
-        v = torch.cat([v, v.new_ones(v.shape[0], q_slot + q_length - v.shape[1])], 1)
-    if not bool(v.any(1).all()):
-        raise ValueError("a sequence in the batch has no valid tokens (its attention mask is all zeros)")
-    kv_start = v.int().argmax(1).long()
-    if not torch.equal(v, torch.arange(v.shape[1])[None, :] >= kv_start[:, None]):
-        raise ValueError(
-            "Kascade needs left padding (padding only before each sequence's tokens); set "
-            "tokenizer.padding_side = 'left'"
-        )
-    return KeyMask(kv_start=kv_start, q_offset=q_slot)
-
-
-def forward_state(runtime, layer: int, q, k, mask):
-    """The forward's state for ``layer``: made by ``runtime.begin`` at layer 0 and kept on the forward's mask."""
-    if not isinstance(mask, KeyMask):
-        raise ValueError(
-            f"Kascade got an attention mask it did not make ({type(mask).__name__}"
-            f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}); pass a 2-D padding "
-            "mask (attention_mask=[B, N] of 0/1) and let the model build the rest"
-        )
-    if layer == 0:
-        mask.state, mask.begun = runtime.begin(q, k, mask.kv_start, mask.q_offset), True
-    elif not mask.begun:
-        raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
-    return mask.state
-
-
-def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function registered in transformers' ``AttentionInterface`` under ``"kascade"``."""
-    runtime = getattr(module, "_kascade_runtime", None)
-    if runtime is None:
-        raise RuntimeError(
-            "this model's attention implementation is 'kascade' but Kascade is not enabled on it; "
-            "use kascade.enable(model) (or set another attn_implementation)"
-        )
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"Kascade does not support attention with {name}={kwargs[name]!r}")
-    if dropout and module.training:
-        raise ValueError("Kascade is an inference method: attention dropout in training mode is not supported")
-    layer = module.layer_idx
-    out = runtime.attend(layer, query, key, value, forward_state(runtime, layer, query, key, attention_mask), scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_NAME, kascade_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, kascade_mask)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -152,9 +50,9 @@ class KascadeHandle:
         if not self.active:
             return
         for m in self._modules:
-            del m._kascade_runtime
+            m.__dict__.pop("_kascade_runtime", None)
         self.model.set_attn_implementation(self._previous_impl)
-        del self.model._kascade_handle
+        self.model.__dict__.pop("_kascade_handle", None)
         self.active = False
 
     def __enter__(self) -> "KascadeHandle":
@@ -166,10 +64,14 @@ class KascadeHandle:
 
 def check_supported(model) -> None:
     """Raise TypeError / ValueError (naming the problem) if Kascade cannot serve ``model`` exactly."""
-    if getattr(model, "_kascade_handle", None) is not None:
-        raise RuntimeError("Kascade is already enabled on this model; disable it first")
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model, "_kascade_handle", None) is not None:
+        raise RuntimeError("Kascade is already enabled on this model; disable it first")
+    routed = next((m for m in model.modules() if getattr(m, "_kascade_runtime", None) is not None), None)
+    if routed is not None:
+        raise RuntimeError("Kascade is already enabled on a model this one contains or is part of (its attention "
+                           f"module {type(routed).__name__} is routed); disable it there first")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
@@ -234,7 +136,7 @@ def attach(model, runtime) -> KascadeHandle:
         raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
                          "Kascade cannot route its attention")
     previous = model.config._attn_implementation
-    _register()
+    register()
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(previous)

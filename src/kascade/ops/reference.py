@@ -91,15 +91,20 @@ def iter_pooled_prefill(q: torch.Tensor, k: torch.Tensor, scale: float, tile: in
     for t0 in range(t_first, t_last + 1, tiles_per_chunk):
         t1 = min(t_last + 1, t0 + tiles_per_chunk)
         a, e = max(t0 * tile, p0), min(t1 * tile, n)  # positions of this chunk's queries
-        qpos = torch.arange(a, e, device=q.device)
         m = e  # keys visible to the chunk
-        s = torch.einsum("hgqd,hkd->hgqk", q[:, a - p0 : e - p0].view(H, G, e - a, D), k[:, :m]) * scale
-        s = s.masked_fill(kpos[:m][None, :] > qpos[:, None], float("-inf"))
-        per_query = s.softmax(-1).sum(1)  # [H, e-a, m]
-        if shared:
-            per_query = per_query.sum(0, keepdim=True).expand(H, -1, -1)
-        pooled = per_query.new_zeros(H, t1 - t0, m)
-        pooled.index_add_(1, qpos // tile - t0, per_query)
+        pooled = None
+        step = max(1, _CHUNK_ELEMS // (HQ * m))  # queries per block: more than the chunk's unless one tile is huge
+        for qa in range(a, e, step):
+            qe = min(e, qa + step)
+            qpos = torch.arange(qa, qe, device=q.device)
+            s = torch.einsum("hgqd,hkd->hgqk", q[:, qa - p0 : qe - p0].view(H, G, qe - qa, D), k[:, :m]) * scale
+            s = s.masked_fill(kpos[:m][None, :] > qpos[:, None], float("-inf"))
+            per_query = s.softmax(-1).sum(1)  # [H, qe-qa, m]
+            if shared:
+                per_query = per_query.sum(0, keepdim=True).expand(H, -1, -1)
+            if pooled is None:
+                pooled = per_query.new_zeros(H, t1 - t0, m)
+            pooled.index_add_(1, qpos // tile - t0, per_query)
         yield t0, pooled
 
 
@@ -203,11 +208,38 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, flat).view(H, c, K, x.shape[-1])
 
 
-def _sparse_prefill_one(q, k, v, idx: torch.Tensor, t_first: int, scale: float, T: int) -> torch.Tensor:
-    """One sequence in prefill. ``idx [H, R, K]`` compact positions, row ``r`` = tile ``t_first + r``."""
+def _tile_block(q, k, v, rid: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, p0: int, scale: float):
+    """Queries at positions ``qpos [c, Tq]`` (row ``i`` of a chunk of ``c`` tiles), each attending its tile's
+    selected keys ``rid [H, c, K]`` and, causally, the keys of its own tile at positions ``kpos [c, Tk]``. Returns
+    ``[HQ, c * Tq, D]``; rows of positions outside ``[p0, n)`` (not in this call) hold garbage."""
     HQ, l, D = q.shape
     H, n, _ = k.shape
     G = HQ // H
+    c, Tq = qpos.shape
+    Tk = kpos.shape[1]
+    K = rid.shape[-1]
+    qi = (qpos - p0).clamp(0, l - 1)
+    qt = q[:, qi.flatten()].view(H, G, c, Tq, D)
+    s_sel = torch.einsum("hgctd,hckd->hgctk", qt, _gather_rows(k, rid)) * scale
+    s_sel = s_sel.masked_fill((rid < 0)[:, None, :, None, :], float("-inf"))
+    kin = kpos.clamp(max=n - 1)  # own-tile key positions, in range
+    k_own = k[:, kin.flatten()].view(H, c, Tk, D)
+    s_own = torch.einsum("hgctd,hcjd->hgctj", qt, k_own) * scale
+    own_ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < n)  # [c, Tq (query), Tk (key)]
+    s_own = s_own.masked_fill(~own_ok[None, None], float("-inf"))
+    w = torch.cat([s_sel, s_own], -1).softmax(-1)
+    o = torch.einsum("hgctk,hckd->hgctd", w[..., :K], _gather_rows(v, rid))
+    o = o + torch.einsum("hgctj,hcjd->hgctd", w[..., K:], v[:, kin.flatten()].view(H, c, Tk, D))
+    return o.reshape(HQ, c * Tq, D)
+
+
+def _sparse_prefill_one(q, k, v, idx: torch.Tensor, t_first: int, scale: float, T: int) -> torch.Tensor:
+    """One sequence in prefill. ``idx [H, R, K]`` compact positions, row ``r`` = tile ``t_first + r``.
+
+    Chunks of whole tiles (queries laid out by tile) bound the temporaries; a chunk of a single tile lays out only
+    the queries this call has, in blocks, so that neither a large tile nor a short call allocates a tile squared."""
+    HQ, l, D = q.shape
+    H, n, _ = k.shape
     p0 = n - l
     K = idx.shape[-1]
     out = torch.zeros_like(q)
@@ -215,28 +247,21 @@ def _sparse_prefill_one(q, k, v, idx: torch.Tensor, t_first: int, scale: float, 
     tiles_per_chunk = max(1, _CHUNK_ELEMS // (HQ * T * (K + T)))
     for t0 in range(t_first, t_last + 1, tiles_per_chunk):
         t1 = min(t_last + 1, t0 + tiles_per_chunk)
-        c = t1 - t0
+        rid = idx[:, t0 - t_first : t1 - t_first]  # [H, c, K]: the selected keys of each tile
+        if t1 - t0 == 1:
+            a, e = max(t0 * T, p0), min(t1 * T, n)  # this call's queries in the tile
+            step = max(1, _CHUNK_ELEMS // (HQ * (K + e - t0 * T)))
+            for qa in range(a, e, step):
+                qe = min(e, qa + step)
+                qpos = torch.arange(qa, qe, device=q.device)[None]
+                kpos = torch.arange(t0 * T, qe, device=q.device)[None]
+                out[:, qa - p0 : qe - p0] = _tile_block(q, k, v, rid, qpos, kpos, p0, scale)
+            continue
         # Queries of the chunk laid out by tile: [c, T] positions, some outside [p0, n) (not in this call).
-        qpos = torch.arange(t0 * T, t1 * T, device=q.device).view(c, T)
-        qok = (qpos >= p0) & (qpos < n)
-        qi = (qpos - p0).clamp(0, l - 1)
-        qt = q[:, qi.flatten()].view(H, G, c, T, D)
-        # Selected keys of each tile.
-        rid = idx[:, t0 - t_first : t1 - t_first]  # [H, c, K]
-        s_sel = torch.einsum("hgctd,hckd->hgctk", qt, _gather_rows(k, rid)) * scale
-        s_sel = s_sel.masked_fill((rid < 0)[:, None, :, None, :], float("-inf"))
-        # Own tile, causal.
-        kpos = qpos.clamp(max=n - 1)  # own-tile key positions [c, T]
-        k_own = k[:, kpos.flatten()].view(H, c, T, D)
-        s_own = torch.einsum("hgctd,hcjd->hgctj", qt, k_own) * scale
-        own_ok = (qpos[:, None, :] <= qpos[:, :, None]) & (qpos[:, None, :] < n)  # [c, T(query), T(key)]
-        s_own = s_own.masked_fill(~own_ok[None, None], float("-inf"))
-        w = torch.cat([s_sel, s_own], -1).softmax(-1)
-        o = torch.einsum("hgctk,hckd->hgctd", w[..., :K], _gather_rows(v, rid))
-        o = o + torch.einsum("hgctj,hcjd->hgctd", w[..., K:], v[:, kpos.flatten()].view(H, c, T, D))
-        o = o.reshape(HQ, c * T, D)
-        keep = qok.flatten()
-        out[:, qi.flatten()[keep]] = o[:, keep]
+        qpos = torch.arange(t0 * T, t1 * T, device=q.device).view(t1 - t0, T)
+        o = _tile_block(q, k, v, rid, qpos, qpos, p0, scale)
+        keep = ((qpos >= p0) & (qpos < n)).flatten()
+        out[:, (qpos - p0).flatten()[keep]] = o[:, keep]
     return out
 
 

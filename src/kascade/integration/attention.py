@@ -1,0 +1,144 @@
+"""What transformers calls: Kascade's mask function and attention function, registered under ``"kascade"``.
+
+Per forward pass (one prefill or one decode step) the mask function reads the key geometry from the padding mask
+(:class:`KeyMask`) once, before any layer runs; the attention function hands each layer to the runtime attached to
+its module (:func:`kascade.integration.hf.attach`), which plans the step at layer 0 and keeps the forward's state
+on that mask object, so that every later layer of the forward, and no other forward, sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTN_NAME = "kascade"
+
+
+@dataclass(eq=False)
+class KeyMask:
+    """What Kascade's mask function hands to every attention layer of one forward instead of a 4-D mask.
+
+    kv_start: ``[B]`` int64 on the host, each sequence's first valid key slot (left padding before it); in a decode
+              step over a static cache a ``[B]`` tensor on the device, or None (no padding).
+    q_offset: key slot of the first query of this call; in a decode step over a static cache a 0-d tensor on the
+              device (so the step needs no host synchronisation and can be captured in a CUDA graph).
+    state:    the forward's state, made by the runtime at layer 0 and read by every later layer (one per forward:
+              concurrent forwards on one model each have their own mask object).
+    """
+
+    kv_start: torch.Tensor | None
+    q_offset: int | torch.Tensor
+    state: object = None
+    begun: bool = False
+
+    # ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
+    # ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
+    # Saying ndim 4 is not claimed: the mask function receives it back and hands on its geometry.
+    ndim = 4
+
+
+def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs) -> KeyMask:
+    """Mask function registered in transformers' ``AttentionMaskInterface`` under ``"kascade"``. It runs once per
+    forward, before any layer: everything the padding mask can get wrong is refused here, before the KV cache
+    changes."""
+    from transformers.masking_utils import causal_mask_function
+
+    if isinstance(attention_mask, KeyMask):  # made before the forward (generate with a static cache): a fresh state
+        return KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset)
+    if mask_function is not causal_mask_function:
+        raise ValueError(
+            "Kascade supports plain causal attention only; this model asked for another mask pattern "
+            f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"
+        )
+    if isinstance(q_offset, torch.Tensor) and q_length == 1:
+        # Static cache, decode step: stay on the device. The cache advances this very tensor in place during the
+        # forward, hence the copy; the padding check happened when the prompt was prefilled.
+        kv_start = None
+        if attention_mask is not None:
+            valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+            kv_start = valid.to(torch.int32).argmax(1)
+        return KeyMask(kv_start=kv_start, q_offset=q_offset.reshape(()).clone() - int(kv_offset))
+    q_slot = int(q_offset) - int(kv_offset)
+    if attention_mask is None:
+        return KeyMask(kv_start=torch.zeros(batch_size, dtype=torch.long), q_offset=q_slot)
+    if attention_mask.dim() != 2:
+        raise ValueError(f"Kascade takes a 2-D padding mask (attention_mask=[B, N] of 0/1), got shape "
+                         f"{tuple(attention_mask.shape)}")
+    v = attention_mask[:, kv_offset : kv_offset + q_slot + q_length].to(torch.bool).cpu()
+    if v.shape[1] < q_slot + q_length:  # a mask shorter than the keys: the rest is valid
+        v = torch.cat([v, v.new_ones(v.shape[0], q_slot + q_length - v.shape[1])], 1)
+    if not bool(v.any(1).all()):
+        raise ValueError("a sequence in the batch has no valid tokens (its attention mask is all zeros)")
+    kv_start = v.int().argmax(1).long()
+    if not torch.equal(v, torch.arange(v.shape[1])[None, :] >= kv_start[:, None]):
+        raise ValueError(
+            "Kascade needs left padding (padding only before each sequence's tokens); set "
+            "tokenizer.padding_side = 'left'"
+        )
+    return KeyMask(kv_start=kv_start, q_offset=q_slot)
+
+
+def forward_state(runtime, layer: int, q, k, mask):
+    """The forward's state for ``layer``: made by ``runtime.begin`` at layer 0 and kept on the forward's mask."""
+    if not isinstance(mask, KeyMask):
+        raise ValueError(
+            f"Kascade got an attention mask it did not make ({type(mask).__name__}"
+            f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}); pass a 2-D padding "
+            "mask (attention_mask=[B, N] of 0/1) and let the model build the rest"
+        )
+    if layer == 0:
+        mask.state, mask.begun = runtime.begin(q, k, mask.kv_start, mask.q_offset), True
+    elif not mask.begun:
+        raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
+    return mask.state
+
+
+def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered in transformers' ``AttentionInterface`` under ``"kascade"``."""
+    runtime = getattr(module, "_kascade_runtime", None)
+    if runtime is None:
+        raise RuntimeError(
+            "this model's attention implementation is 'kascade' but Kascade is not enabled on it; "
+            "use kascade.enable(model) (or set another attn_implementation)"
+        )
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Kascade does not support attention with {name}={kwargs[name]!r}")
+    if kwargs.get("output_attentions"):
+        raise ValueError("Kascade does not compute attention weights (its layers attend a selection of the keys); "
+                         "output_attentions=True needs the model without Kascade")
+    if module.training:
+        raise ValueError("Kascade is for inference: this model is in training mode (call model.eval(); gradient "
+                         "checkpointing and training are not supported)")
+    layer = module.layer_idx
+    out = runtime.attend(layer, query, key, value, forward_state(runtime, layer, query, key, attention_mask), scaling)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        out = _NoBackward.apply(out, query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _NoBackward(torch.autograd.Function):
+    """Passes the attention output through and refuses the backward pass: the selections are not differentiable
+    and the Triton kernels have no backward, so gradients through Kascade would be silently wrong."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("Kascade is for inference: gradients through its sparse attention are not supported (run "
+                           "the forward under torch.no_grad() or torch.inference_mode(), or disable Kascade)")
+
+
+def register() -> None:
+    """Register the two functions in transformers' registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, kascade_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, kascade_mask)
+
+

@@ -1,0 +1,213 @@
+"""What a careful user does with an enabled model, and what must then hold: concurrent forwards, static caches,
+refusals before any work, nothing held after the block, inference only."""
+
+import gc
+import threading
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import kascade
+from conftest import tiny_model
+from kascade import KascadePlan, ModelFingerprint
+
+pytestmark = pytest.mark.filterwarnings("ignore:Kascade is using an uncalibrated plan")
+
+
+def _ids(n, B=1, seed=0):
+    return torch.randint(3, 97, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _plan(model, **budget):
+    b = {**dict(ratio=0.1, k_min=8, tile=16), **budget}
+    return KascadePlan.uniform(ModelFingerprint.from_model(model), 2, **b)
+
+
+def test_concurrent_forwards_on_one_enabled_model_are_each_correct():
+    """Two threads share one enabled model: each forward keeps its own state (geometry, selections), so every
+    result equals the same input run alone."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    plan = _plan(model)
+    inputs = [_ids(n, seed=n) for n in (150, 230, 90, 310)]
+    with torch.no_grad(), kascade.enable(model, plan):
+        want = [model(x).logits for x in inputs]
+        got, errors = {}, []
+
+        def work(t):
+            try:
+                for r in range(6):
+                    i = (t + r) % len(inputs)
+                    got[(t, r)] = (i, model(inputs[i]).logits)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert len(got) == 18
+    for i, logits in got.values():
+        assert torch.equal(logits, want[i])
+
+
+def test_static_cache_generate_equals_dynamic_cache_generate():
+    model = tiny_model("llama")
+    ids = _ids(70, B=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad(), kascade.enable(model, _plan(model)):
+        a = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        b = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+        from transformers import StaticCache
+
+        c = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                           past_key_values=StaticCache(config=model.config, max_cache_len=96))
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_length_aware_plan_picks_its_sub_plan_from_the_sequence_not_the_cache_capacity():
+    """A static cache's key axis is its capacity; the sub-plan must follow the tokens actually in the cache."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama")
+    fp = ModelFingerprint.from_model(model)
+    long = _plan(model)
+    short = KascadePlan(fp, (0, 1), ((0, 1),) * 4, ratio=0.1, k_min=8, tile=16)
+    plan = long.__class__(**{**long.__dict__, "by_length": ((200, short),)})
+    ids = _ids(120)
+    with torch.no_grad(), kascade.enable(model, plan):
+        dyn = model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        sta = model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             past_key_values=StaticCache(config=model.config, max_cache_len=1024))
+    with torch.no_grad(), kascade.enable(model, short):
+        alone = model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True)
+    for x, y in ((dyn, sta), (dyn, alone)):
+        assert torch.equal(x.sequences, y.sequences)
+        for s, t in zip(x.scores, y.scores):
+            torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-5)
+
+
+def test_refused_right_padding_leaves_the_cache_untouched():
+    """The padding check runs before any layer: a refused call changes nothing, and a retry works."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids = _ids(40, B=2)
+    right = torch.ones_like(ids)
+    right[1, -5:] = 0
+    left = torch.ones_like(ids)
+    left[1, :5] = 0
+    with torch.no_grad(), kascade.enable(model, _plan(model)):
+        cache = DynamicCache()
+        with pytest.raises(ValueError, match="left padding"):
+            model(ids, attention_mask=right, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 0
+        out = model(ids, attention_mask=left, past_key_values=cache, use_cache=True).logits
+        ref = model(ids, attention_mask=left).logits
+    assert torch.equal(out, ref)
+
+
+def test_nested_enable_is_refused_and_disable_always_restores():
+    model = tiny_model("llama")
+    plan = _plan(model)
+    with kascade.enable(model, plan):
+        with pytest.raises(RuntimeError, match="already enabled"):
+            kascade.enable(model.model, plan)
+    with kascade.enable(model.model, plan):
+        with pytest.raises(RuntimeError, match="already enabled on a model this one contains"):
+            kascade.enable(model, plan)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, "_kascade_runtime") for m in model.modules())
+    with torch.no_grad(), kascade.enable(model, plan):  # usable again
+        model(_ids(30))
+
+
+def test_training_and_gradients_are_refused_clearly():
+    model = tiny_model("llama")
+    ids = _ids(40)
+    with kascade.enable(model, _plan(model)):
+        out = model(ids).logits  # gradients enabled, eval mode: the forward works...
+        with pytest.raises(RuntimeError, match="Kascade is for inference"):
+            out.sum().backward()  # ...a backward through it does not
+        model.train()
+        try:
+            with pytest.raises(ValueError, match="training mode"):
+                model(ids)
+        finally:
+            model.eval()
+        with pytest.raises(ValueError, match="output_attentions"):
+            with torch.no_grad():
+                model(ids, output_attentions=True)
+
+
+def test_a_tiny_per_layer_scale_still_attends_a_key():
+    """round(0.01 * k) is 0: the layer must keep at least one key (a query without keys outputs zeros)."""
+    model = tiny_model("llama")
+    plan = _plan(model, k_min=16).with_reuse(scale=(1.0, 0.01, 1.0, 1.0))
+    from transformers import DynamicCache
+
+    with torch.no_grad(), kascade.enable(model, plan, account=True) as h:
+        cache = DynamicCache()
+        model(_ids(64), past_key_values=cache, use_cache=True)
+        h.runtime.attended.clear()
+        model(_ids(1, seed=5), past_key_values=cache, use_cache=True)
+    att, dense = h.runtime.attended[1]
+    assert att == 2 and dense == 2 * 65  # one key per KV head
+
+
+def test_nothing_is_held_after_the_block():
+    """The selections of a forward belong to it: once it returns, they are freed (the handle keeps none)."""
+    from kascade.integration import runtime
+
+    model = tiny_model("llama")
+    refs = []
+    orig = runtime.ops.dense_select
+
+    def spy(*a, **kw):
+        out, sel = orig(*a, **kw)
+        refs.append(weakref.ref(sel.indices))
+        return out, sel
+
+    runtime.ops.dense_select = spy
+    try:
+        with torch.no_grad(), kascade.enable(model, _plan(model)) as h:
+            model(_ids(100))
+    finally:
+        runtime.ops.dense_select = orig
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    assert not any(isinstance(v, torch.Tensor) for v in vars(h.runtime).values())
+
+
+def test_graph_decoder_recaptures_when_the_routing_changes():
+    """A decoder's captured graph runs the kernels of the routing it was captured under: after Kascade is
+    disabled (or enabled again) it must not replay it. (CUDA graphs need a GPU; here a stand-in graph records
+    whether it was replayed.)"""
+    from kascade.integration.graphs import GraphDecoder
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    model = tiny_model("llama")
+    plan = _plan(model)
+    handle = kascade.enable(model, plan)
+    dec = GraphDecoder(model, batch_size=1, max_cache_len=48, use_graph=False)
+    dec.prefill(_ids(30))
+    dec.graph, dec._captured_under = Graph(), dec._routing()
+    dec.step()
+    assert Graph.replays == 1
+    handle.disable()
+    with pytest.warns(UserWarning, match="capturing a new graph"):
+        dec.step()  # eager again (no GPU here): not a replay of the Kascade graph
+    assert Graph.replays == 1 and dec.graph is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        dec.step()

@@ -1,0 +1,93 @@
+"""The public ops' checks: every bad argument is refused with a message naming it, before any work; a step plan
+serves every layer of a forward and is checked against each call's shapes."""
+
+import pytest
+import torch
+
+from kascade.budget import Budget
+from kascade.ops import Selection, dense_attention, dense_select, plan_step, select, sparse_attention
+
+BUDGET = Budget(ratio=0.5, k_min=4, tile=8)  # k(40) = 20: tiles at 8, 16, 24, 32 keep 4, 8, 12, 12 keys
+
+
+def _qkv(B=2, HQ=4, H=2, L=40, N=40, D=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, HQ, L, D, generator=g, dtype=dtype), torch.randn(B, H, N, D, generator=g, dtype=dtype),
+            torch.randn(B, H, N, D, generator=g, dtype=dtype))
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda q, k, v: dense_attention(q[0], k, v), "must be 4-D"),
+    (lambda q, k, v: dense_attention(q, k, v[:, :, :5]), "same shape"),
+    (lambda q, k, v: dense_attention(q[:, :3], k, v), "multiple of KV heads"),
+    (lambda q, k, v: dense_attention(q.long(), k, v), "floating-point"),
+    (lambda q, k, v: dense_attention(q, k, v, q_offset=5), "outside the 40 key slots"),
+    (lambda q, k, v: dense_attention(q, k, v, kv_start=[0, 40]), "without keys"),
+    (lambda q, k, v: dense_attention(q, k, v, kv_start=[0]), r"shape \[B\]=\[2\]"),
+    (lambda q, k, v: dense_attention(q, k, v, kv_start=torch.tensor([0.0, 1.0])), "integers"),
+    (lambda q, k, v: dense_attention(q, k, v, backend="cuda"), "unknown backend"),
+    (lambda q, k, v: select(q, k, budget=0.1), "kascade.Budget"),
+    (lambda q, k, v: select(q, k, depth=0), "depth must be a positive number"),
+    (lambda q, k, v: sparse_attention(q, k, v, "rows"), "kascade.ops.Selection"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_arguments_are_refused(call, needle):
+    q, k, v = _qkv()
+    with pytest.raises((ValueError, TypeError), match=needle):
+        call(q, k, v)
+
+
+def test_one_step_serves_every_layer_and_is_checked_against_each_call():
+    q, k, v = _qkv(L=40, N=40)
+    step = plan_step(q, k, budget=BUDGET, kv_start=[0, 7])
+    out, sel = dense_select(q, k, v, step=step)
+    assert torch.equal(out, dense_attention(q, k, v, kv_start=[0, 7]))
+    assert torch.equal(sel.indices, select(q, k, budget=BUDGET, kv_start=[0, 7]).indices)
+    assert torch.equal(sparse_attention(q, k, v, sel, step=step), sparse_attention(q, k, v, sel, kv_start=[0, 7]))
+    with pytest.raises(ValueError, match="come from the step"):
+        dense_attention(q, k, v, step=step, kv_start=[0, 7])
+    with pytest.raises(ValueError, match="do not match the step"):
+        dense_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], step=step)
+    with pytest.raises(ValueError, match="was planned for"):
+        dense_attention(q.double(), k.double(), v.double(), step=step)
+    with pytest.raises(TypeError, match="plan_step"):
+        dense_attention(q, k, v, step={"kv_start": [0, 7]})
+
+
+def test_selections_that_do_not_fit_the_call_are_refused():
+    q, k, v = _qkv(L=40, N=40)
+    sel = select(q, k, budget=BUDGET)
+    assert (sel.indices >= 0).sum() > 0
+    # made for another chunk: the last 24 queries of the same 40 keys span other tiles
+    q2 = q[:, :, 16:]
+    with pytest.raises(ValueError, match="rows start at tiles|rows; this call"):
+        sparse_attention(q2, k, v, sel)
+    assert sel.indices.shape[-1] == 12 and bool((sel.indices[:, :, 3] >= 0).all())
+    bad = sel.indices.clone()
+    bad[0, 0, 3, -1] = 30  # tile 3 starts at position 24: key 30 is in its own tile (the future of some queries)
+    with pytest.raises(ValueError, match="not a key that row may attend"):
+        sparse_attention(q, k, v, Selection(bad, sel.row_start, 8, False))
+    dup = sel.indices.clone()
+    dup[0, 0, 4, :2] = dup[0, 0, 4, 0]
+    with pytest.raises(ValueError, match="same key twice"):
+        sparse_attention(q, k, v, Selection(dup, sel.row_start, 8, False))
+    gap = sel.indices.clone()
+    gap[0, 0, 4, :3] = torch.tensor([-1, 2, 5])  # -1 before keys: the Triton kernel would read past it
+    with pytest.raises(ValueError, match="-1 padding only at the end"):
+        sparse_attention(q, k, v, Selection(gap, sel.row_start, 8, False))
+    with pytest.raises(ValueError, match="cannot serve"):
+        sparse_attention(q[:, :, -1:], k, v, sel)  # a prefill selection for a decode step
+    with pytest.raises(ValueError, match=r"\[B=2, H=2"):
+        sparse_attention(q, k, v, Selection(sel.indices[:, :1], sel.row_start, 8, False))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        sparse_attention(q, k, v, Selection(sel.indices.float(), sel.row_start, 8, False))
+
+
+def test_a_decode_selection_may_name_every_valid_key_and_no_other():
+    q, k, v = _qkv(L=1, N=30)
+    sel = select(q, k, budget=BUDGET, kv_start=[0, 10])
+    sparse_attention(q, k, v, sel, kv_start=[0, 10])
+    bad = sel.indices.clone()
+    assert int(bad[1, 0, 0, 0]) >= 10
+    bad[1, 0, 0, 0] = 3  # before sequence 1's first valid key
+    with pytest.raises(ValueError, match="not a key that row may attend"):
+        sparse_attention(q, k, v, Selection(bad, sel.row_start, 8, True), kv_start=[0, 10])
