@@ -211,3 +211,34 @@ def test_graph_decoder_recaptures_when_the_routing_changes():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         dec.step()
+
+
+def test_vision_language_model_routes_only_its_language_model():
+    """A Llava-style model: the language model's attention goes through Kascade, the vision tower keeps its own;
+    an image forward at full budget equals the dense model, and disable restores both."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_index=100,
+                                                      vision_feature_layer=-1)).eval()
+    ids = torch.cat([torch.tensor([[1, 2]]), torch.full((1, 16), 100), _ids(46) % 99 + 1], 1)  # 64: whole tiles
+    pixels = torch.randn(1, 3, 16, 16)
+    fp = ModelFingerprint.from_model(model)
+    assert fp.num_layers == 4 and fp.num_kv_heads == 2
+    with torch.no_grad():
+        dense = model(input_ids=ids, pixel_values=pixels).logits
+        with kascade.enable(model, KascadePlan.all_anchors(fp, ratio=1.0, k_min=1, tile=8)) as h:
+            assert model.config.vision_config._attn_implementation == "sdpa"
+            assert model.config.text_config._attn_implementation == "kascade"
+            full = model(input_ids=ids, pixel_values=pixels).logits
+        with kascade.enable(model, _plan(model), account=True) as h:
+            model(input_ids=ids, pixel_values=pixels)
+        assert sorted(h.runtime.attended) == [0, 1, 2, 3]
+        assert model.config.text_config._attn_implementation == "sdpa"
+        after = model(input_ids=ids, pixel_values=pixels).logits
+    torch.testing.assert_close(full, dense, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, dense)

@@ -79,7 +79,7 @@ class GraphDecoder:
 
     def _routing(self):
         """What the model's attention is routed to: its implementation and Kascade's handle (None: not enabled)."""
-        return self.model.config._attn_implementation, getattr(self.model, "_kascade_handle", None)
+        return self.model.config.get_text_config()._attn_implementation, getattr(self.model, "_kascade_handle", None)
 
     def step(self) -> torch.Tensor:
         """One decode step: feeds the last token, returns the next ``[B, 1]`` (a view, overwritten next step)."""

@@ -22,9 +22,28 @@ from .runtime import KascadeRuntime
 BACKENDS = ("auto", "reference", "triton")
 
 
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _routing_key(model) -> str | None:
+    """Where the language model's attention implementation is set: None for a language model, else the key of
+    its config among the model's sub-configs (a vision-language model keeps its vision tower's attention)."""
+    text = _text_config(model)
+    if text is model.config:
+        return None
+    for key in getattr(model.config, "sub_configs", {}) or {}:
+        if getattr(model.config, key, None) is text:
+            return key
+    raise ValueError(f"cannot find the language model's config among {type(model).__name__}'s sub-configs")
+
+
 def attention_modules(model) -> list[torch.nn.Module]:
-    """The model's self-attention modules, ordered by ``layer_idx``; ValueError if they cannot be routed."""
-    mods = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "layer_idx")]
+    """The language model's self-attention modules, ordered by ``layer_idx``; ValueError if they cannot be
+    routed."""
+    text = _text_config(model)
+    mods = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "layer_idx")
+            and getattr(m, "config", text) is text]
     idx = sorted(int(m.layer_idx) for m in mods)
     n = ModelFingerprint.from_model(model).num_layers
     if idx != list(range(n)):
@@ -33,6 +52,11 @@ def attention_modules(model) -> list[torch.nn.Module]:
             f"0..{n - 1}, found {len(mods)} ({type(model).__name__})"
         )
     return sorted(mods, key=lambda m: int(m.layer_idx))
+
+
+def _set_implementation(model, name: str) -> None:
+    key = _routing_key(model)
+    model.set_attn_implementation(name if key is None else {key: name})
 
 
 class KascadeHandle:
@@ -51,7 +75,7 @@ class KascadeHandle:
             return
         for m in self._modules:
             m.__dict__.pop("_kascade_runtime", None)
-        self.model.set_attn_implementation(self._previous_impl)
+        _set_implementation(self.model, self._previous_impl)
         self.model.__dict__.pop("_kascade_handle", None)
         self.active = False
 
@@ -72,7 +96,7 @@ def check_supported(model) -> None:
     if routed is not None:
         raise RuntimeError("Kascade is already enabled on a model this one contains or is part of (its attention "
                            f"module {type(routed).__name__} is routed); disable it there first")
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"Kascade supports full causal attention layers only; this model has {sorted(set(layer_types))}")
@@ -135,11 +159,11 @@ def attach(model, runtime) -> KascadeHandle:
     if not type(model)._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
                          "Kascade cannot route its attention")
-    previous = model.config._attn_implementation
+    previous = _text_config(model)._attn_implementation
     register()
-    model.set_attn_implementation(ATTN_NAME)
-    if model.config._attn_implementation != ATTN_NAME:
-        model.set_attn_implementation(previous)
+    _set_implementation(model, ATTN_NAME)
+    if _text_config(model)._attn_implementation != ATTN_NAME:
+        _set_implementation(model, previous)
         raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
     for m in modules:
         m._kascade_runtime = runtime
