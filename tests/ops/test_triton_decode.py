@@ -17,6 +17,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from kascade.budget import Budget  # noqa: E402
+from tolerance import assert_close_to_reference  # noqa: E402
 from kascade.ops import dense_attention, reference, select, sparse_attention  # noqa: E402
 from kascade.ops.step import decode_meta  # noqa: E402
 from kascade.ops.triton import decode as td  # noqa: E402
@@ -102,15 +103,6 @@ def _nan_like(q):
     return torch.full_like(q, float("nan"))
 
 
-def _assert_close_to_reference(got, want64, lowp_ref, what):
-    """STYLE.md's rule: error vs fp64 at most 2x the error of the reference rounded to the low precision."""
-    assert got.dtype == lowp_ref.dtype and got.shape == want64.shape
-    assert not torch.isnan(got).any(), f"{what}: NaN in the output (unwritten or stray read)"
-    err = (got.double() - want64).abs().max().item()
-    ref_err = (lowp_ref.double() - want64).abs().max().item()
-    assert err <= 2 * ref_err + 1e-6, f"{what}: max error {err:.3g} > 2 x {ref_err:.3g} (low-precision reference)"
-
-
 def _pooled_reference(q, k, kv_start, q_offset, scale):
     """Per sequence, the reference's pooled probabilities ``[H, n_b]`` (fp32 math on the low-precision inputs)."""
     out = []
@@ -163,7 +155,7 @@ def test_decode_kernels_match_reference(case):
     want = dense_attention(q.double(), k.double(), v.double(), **pos)
     lowp = dense_attention(q, k, v, **pos)
     got = td.dense_decode(q, kk, vv, scale=scale, out=_nan_like(q), **lay, **cfg)
-    _assert_close_to_reference(got, want, lowp, "dense")
+    assert_close_to_reference(got, want, lowp, "dense")
 
     # sparse over the reference's selection (varied k_b: rows padded with -1)
     ref_sel = select(q, k, budget=BUDGET, **pos)
@@ -174,7 +166,7 @@ def test_decode_kernels_match_reference(case):
         idx = torch.where(idx >= 0, idx - kv_start[:, None, None, None], -1)
     for idt in (torch.int32, torch.int64):
         got = td.sparse_decode(q, kk, vv, idx.to(idt), scale=scale, out=_nan_like(q), **({"block_table": lay["block_table"]} if page else {}), **cfg)
-        _assert_close_to_reference(got, want, lowp, f"sparse {idt}")
+        assert_close_to_reference(got, want, lowp, f"sparse {idt}")
 
     # selection, both methods, and the fused layer-0 / anchor paths
     pooled = _pooled_reference(q, k, kv_start, q_offset, scale)
@@ -184,7 +176,7 @@ def test_decode_kernels_match_reference(case):
 
     want_dense = dense_attention(q.double(), k.double(), v.double(), **pos)
     out0, sel0 = td.dense_select_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay, **cfg)
-    _assert_close_to_reference(out0, want_dense, dense_attention(q, k, v, **pos), "layer 0 output")
+    assert_close_to_reference(out0, want_dense, dense_attention(q, k, v, **pos), "layer 0 output")
     _check_selection(sel0, ref_sel, pooled, kv_start, q_offset, bool(page), "layer 0 selection")
 
     out_a, sel_a = td.anchor_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay)
@@ -194,7 +186,7 @@ def test_decode_kernels_match_reference(case):
         torch.where(sel_a.indices >= 0, sel_a.indices + kv_start[:, None, None, None], -1), sel_a.row_start,
         sel_a.tile, True)
     want = sparse_attention(q.double(), k.double(), v.double(), sel_abs, **pos)
-    _assert_close_to_reference(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
+    assert_close_to_reference(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
 def test_radix_selection_breaks_exact_ties_by_position():

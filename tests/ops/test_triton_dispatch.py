@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from kascade.budget import Budget  # noqa: E402
+from tolerance import assert_close_to_reference  # noqa: E402
 from kascade.ops import dense_attention, select, sparse_attention  # noqa: E402
 
 
@@ -36,12 +37,9 @@ def test_public_ops_dispatch_to_triton(L, N, monkeypatch):
     assert tri_sel.decode == ref_sel.decode
     for name, fn in (("dense", lambda b: dense_attention(q, k, v, backend=b, **kv)),
                      ("sparse", lambda b: sparse_attention(q, k, v, ref_sel, backend=b, **kv))):
-        ref = fn("reference").double()
         exact = (dense_attention(q.double(), k.double(), v.double(), **kv) if name == "dense"
                  else sparse_attention(q.double(), k.double(), v.double(), ref_sel, **kv))
-        got = fn("triton").double()
-        bound = 2 * (ref - exact).abs().max() + 1e-5
-        assert (got - exact).abs().max() <= bound, name
+        assert_close_to_reference(fn("triton"), exact, fn("reference"), name, floor=1e-5)
     assert len(set(calls)) == 3, calls  # the three Triton kernels ran, not the reference
 
 
