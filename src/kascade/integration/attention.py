@@ -31,6 +31,7 @@ class KeyMask:
     q_offset: int | torch.Tensor
     state: object = None
     begun: bool = False
+    refused: str | None = None  # why a layer given this mask cannot run (a mask pattern Kascade does not serve)
 
     # ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
     # ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
@@ -46,12 +47,13 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     from transformers.masking_utils import causal_mask_function
 
     if isinstance(attention_mask, KeyMask):  # made before the forward (generate with a static cache): a fresh state
-        return KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset)
+        return KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset, refused=attention_mask.refused)
     if mask_function is not causal_mask_function:
-        raise ValueError(
+        # Some models build every mask kind they know (e.g. sliding-window next to full) whether or not a layer
+        # uses it: refuse only if a layer does.
+        return KeyMask(kv_start=None, q_offset=0, refused=(
             "Kascade supports plain causal attention only; this model asked for another mask pattern "
-            f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"
-        )
+            f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"))
     if isinstance(q_offset, torch.Tensor) and q_length == 1:
         # Static cache, decode step: stay on the device. The cache advances this very tensor in place during the
         # forward, hence the copy; the padding check happened when the prompt was prefilled.
@@ -88,6 +90,8 @@ def forward_state(runtime, layer: int, q, k, mask):
             f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}); pass a 2-D padding "
             "mask (attention_mask=[B, N] of 0/1) and let the model build the rest"
         )
+    if mask.refused:
+        raise ValueError(mask.refused)
     if layer == 0:
         mask.state, mask.begun = runtime.begin(q, k, mask.kv_start, mask.q_offset), True
     elif not mask.begun:

@@ -100,6 +100,11 @@ def check_supported(model) -> None:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"Kascade supports full causal attention layers only; this model has {sorted(set(layer_types))}")
+    v_dim = getattr(cfg, "v_head_dim", None)
+    qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+    if v_dim is not None and v_dim != qk_dim:
+        raise ValueError(f"this model's values have another head dim ({v_dim}) than its queries and keys ({qk_dim}), as "
+                         "in multi-head latent attention; Kascade's ops take one head dim")
     if not layer_types and getattr(cfg, "sliding_window", None) is not None:
         raise ValueError(f"this model uses sliding-window attention (sliding_window={cfg.sliding_window}), which Kascade "
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")
