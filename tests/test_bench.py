@@ -1,13 +1,18 @@
 """`kascade bench` on a tiny random Llama (CPU, reference backend): structure of the results, not speed."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from kascade import bench
+from kascade.bench import memory, models, runner, timing
 from kascade.cli import build_parser, main
+from kascade.integration.hf import attach, enable
+from kascade.integration.runtime import NoAttention
 from kascade.plan import KascadePlan, ModelFingerprint
 
 FAST = ["--models", "tiny", "--backend", "reference", "--repeats", "1", "--decode-steps", "2"]
@@ -23,7 +28,14 @@ def one_thread():
 
 
 def _tiny():
-    return bench.random_llama(bench.TINY, device="cpu", dtype=torch.float32, max_positions=1024)
+    return models.random_llama(models.TINY, device="cpu", dtype=torch.float32, max_positions=1024)
+
+
+def test_the_names_other_code_uses_are_importable_from_the_package():
+    """kascade.cli imports MODELS and Settings and calls main_args; benchmarks/e2e_check.py uses the rest."""
+    from kascade.bench import LLAMA8B, MODELS, Settings, decode, main_args, prefill, random_llama  # noqa: F401
+
+    assert MODELS == ("default", "llama8b", "tiny") and bench.run is runner.run and bench.Settings is Settings
 
 
 def test_bench_help_explains_every_option(capsys):
@@ -85,12 +97,12 @@ def test_table_and_plot_are_written(tiny_run, capsys):
 
 def test_measure_config_restores_the_model():
     model = _tiny()
-    plan = bench.plan_for("tiny", model, None)
-    ids = bench.prompt(1, 64, 256, 0, "cpu")
+    plan = models.plan_for("tiny", model, None)
+    ids = timing.prompt(1, 64, 256, 0, "cpu")
     with torch.no_grad():
         before = model(ids).logits
     s = bench.Settings(lengths=(64,), batches=(1,), decode_steps=2, backend="reference")
-    r = bench.measure_config(model, plan, batch=1, length=64, settings=s)
+    r = timing.measure_config(model, plan, batch=1, length=64, settings=s)
     assert model.config._attn_implementation == "sdpa"
     assert getattr(model, "_kascade_handle", None) is None
     with torch.no_grad():
@@ -98,17 +110,77 @@ def test_measure_config_restores_the_model():
     assert r["noattn_logits_max_diff"] > 1e-3
 
 
-def test_no_attention_returns_zeros_and_restores():
+def test_no_attention_mode_returns_zeros_and_registers_nothing(monkeypatch):
+    """The no-attention mode is the NoAttention runtime attached for its measurement: the attention outputs are
+    zeros, no attention function of its own is registered in transformers, and the model is restored after."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     model = _tiny()
-    ids = bench.prompt(1, 40, 256, 0, "cpu")
+    registered = set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)
     seen = []
-    hook = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, o: seen.append(a[0]))
-    with torch.no_grad(), bench.NoAttention(model):
-        assert model.config._attn_implementation == bench.NOATTN_NAME
-        model(ids)
-    hook.remove()
-    assert model.config._attn_implementation == "sdpa"
-    assert seen and torch.count_nonzero(seen[0]) == 0
+    real = timing.measure_mode
+
+    def measure_mode(model, ids, settings, *, warmup):
+        handle = getattr(model, "_kascade_handle", None)
+        if handle is None or not isinstance(handle.runtime, NoAttention):
+            return real(model, ids, settings, warmup=warmup)
+        hook = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+        try:
+            return real(model, ids, settings, warmup=warmup)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(timing, "measure_mode", measure_mode)
+    s = bench.Settings(lengths=(40,), batches=(1,), decode_steps=1, warmup_decode_steps=0, backend="reference")
+    timing.measure_config(model, models.plan_for("tiny", model, None), batch=1, length=40, settings=s)
+    assert len(seen) == 2 and seen[0].shape == (1, 40, 64)  # the prefill and the decode step
+    assert all(torch.count_nonzero(x) == 0 for x in seen)
+    assert model.config._attn_implementation == "sdpa" and getattr(model, "_kascade_handle", None) is None
+    assert set(AttentionInterface._global_mapping) - registered[0] <= {"kascade"}
+    assert set(AttentionMaskInterface._global_mapping) - registered[1] <= {"kascade"}
+
+
+def test_without_matplotlib_only_the_chart_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    s = bench.Settings(lengths=(64,), batches=(1,), decode_steps=1, backend="reference", time_budget_s=None)
+    r = bench.run(["tiny"], s, tmp_path)
+    assert r["configs"][0]["status"] == "ok"
+    assert sorted(Path(f).name for f in r["files"]) == ["bench.json", "bench.md"]
+    assert not (tmp_path / "bench.png").exists() and "| tiny | 1 | 64 |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_an_out_that_cannot_take_files_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch, capsys, where):
+    f = tmp_path / "results"
+    f.write_text("not a folder")
+    out = f if where == "file" else f / "bench"
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = main(["bench", *FAST, "--lengths", "64", "--batches", "1", "--out", str(out)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err
+    assert ("is a file, not a folder" if where == "file" else "cannot write the results there") in err
+    assert f.read_text() == "not a folder"
+
+
+def test_a_read_only_out_is_refused(tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        try:
+            (out / "probe").write_text("")
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this user writes into read-only folders (root)")
+        s = bench.Settings(lengths=(64,), batches=(1,), decode_steps=1, backend="reference")
+        with pytest.raises(ValueError, match="cannot write the results there"):
+            bench.run(["tiny"], s, out)
+    finally:
+        out.chmod(0o755)
 
 
 def test_skipped_configurations_carry_a_reason(tmp_path, monkeypatch):
@@ -119,8 +191,8 @@ def test_skipped_configurations_carry_a_reason(tmp_path, monkeypatch):
     assert c["status"] == "skipped" and c["reason"].startswith("needs ~") and "GB free" in c["reason"]
     assert "skipped: needs ~" in (tmp_path / "m" / "bench.md").read_text()
 
-    real = bench.predict_seconds
-    monkeypatch.setattr(bench, "predict_seconds", lambda done, b, n: None if not done else 1e4 + real(done, b, n))
+    real = memory.predict_seconds
+    monkeypatch.setattr(runner, "predict_seconds", lambda done, b, n: None if not done else 1e4 + real(done, b, n))
     rc = main(["bench", *FAST, "--lengths", "64", "128", "--batches", "1", "--time-budget", "3600",
                "--out", str(tmp_path / "t")])
     assert rc == 0
@@ -135,9 +207,9 @@ def test_skipped_configurations_carry_a_reason(tmp_path, monkeypatch):
 
 def test_chunked_prefill_fills_the_same_cache():
     model = _tiny()
-    ids = bench.prompt(2, 100, 256, 1, "cpu")
-    whole, n1, l1, _ = bench.prefill(model, ids, 0)
-    chunked, n2, l2, _ = bench.prefill(model, ids, 32)
+    ids = timing.prompt(2, 100, 256, 1, "cpu")
+    whole, n1, l1, _ = timing.prefill(model, ids, 0)
+    chunked, n2, l2, _ = timing.prefill(model, ids, 32)
     assert chunked.get_seq_length() == whole.get_seq_length() == 100
     assert torch.equal(n1, n2)
     torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
@@ -145,23 +217,86 @@ def test_chunked_prefill_fills_the_same_cache():
 
 def test_memory_estimate_for_llama8b_on_an_h200():
     """The defaults' Llama-3.1-8B configurations: B=1 fits everywhere, B=8 at 128K never, B=8 at 64K only chunked."""
-    cfg = transformers.LlamaConfig(**bench.LLAMA8B, max_position_embeddings=131072)
+    cfg = transformers.LlamaConfig(**models.LLAMA8B, max_position_embeddings=131072)
     plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), 5)
     weights = 2 * 8_030_261_248  # bf16 parameters
 
     def gb(batch, length, chunk=0):
         s = bench.Settings(device="cuda", prefill_chunk=chunk)
-        return bench.estimate_bytes(cfg, plan, weights=weights, batch=batch, length=length, settings=s)["total"] / 2**30
+        e = memory.estimate_bytes(cfg, plan, weights=weights, batch=batch, length=length, settings=s)
+        return e["total"] / 2**30
 
     h200 = 139
     assert gb(1, 131072) < h200 and gb(8, 32768) < h200
     assert gb(8, 131072, 8192) > h200 and gb(8, 65536) > h200 > gb(8, 65536, 8192)
-    e = bench.estimate_bytes(cfg, plan, weights=weights, batch=1, length=1000, settings=bench.Settings(device="cuda"))
-    assert e["kv_cache"] == 1 * (1000 + 16 + 2) * 32 * 2 * 8 * 128 * 2
+    e = memory.estimate_bytes(cfg, plan, weights=weights, batch=1, length=1000, settings=bench.Settings(device="cuda"))
+    # graph decoding (the default on CUDA): a static cache for the prompt, 2 + 16 steps and two spare slots
+    assert e["kv_cache"] == 1 * (1000 + 2 + 16 + 2) * 32 * 2 * 8 * 128 * 2 and e["cache_growth"] == 0
+
+
+def test_memory_estimate_counts_what_chunked_dense_prefill_adds():
+    """Llama-3.1-8B, B=4, 128K in chunks of 32K ran out of memory on an H200 (~139 GiB) where the estimate said it
+    fit: it left out what the chunks after the first add (here by hand). Now the configuration is skipped."""
+    cfg = transformers.LlamaConfig(**models.LLAMA8B, max_position_embeddings=131072)
+    plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), 5)
+    s = bench.Settings(device="cuda", prefill_chunk=32768)
+    assert s.decode == "eager" and s.warmup_decode_steps == 16
+    B, L, C, bf16 = 4, 131072, 32768, 2
+    e = memory.estimate_bytes(cfg, plan, weights=2 * 8_030_261_248, batch=B, length=L, settings=s)
+    layer_kv = B * (L + 16 + 16) * 2 * 8 * 128 * bf16
+    assert e["kv_cache"] == 32 * layer_kv
+    assert e["cache_growth"] == layer_kv  # DynamicCache: torch.cat next to the previous K and V of a layer
+    bool_mask = B * C * L  # transformers' [B, 1, chunk, N] mask
+    additive = B * C * L * bf16  # SDPA's additive copy of it in the model's dtype (N is a multiple of 16)
+    repeat_kv = 2 * B * 32 * L * 128 * bf16  # K and V repeated to the 32 query heads
+    assert e["dense"] == bool_mask + additive + repeat_kv
+    assert e["dense"] > e["kascade"] and e["counted"] == sum(
+        e[k] for k in ("weights", "kv_cache", "cache_growth", "activations", "logits", "dense"))
+    assert e["total"] / 2**30 > 139
+
+
+def _peak_bytes(fn) -> int:
+    """Most bytes held at once by tensors that ``fn`` allocated on the CPU (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        peak = max(peak, held)
+    assert events and peak > 0
+    return peak
+
+
+@pytest.mark.parametrize("batch, length, chunk", [(2, 300, 0), (2, 300, 64), (1, 1000, 256)],
+                         ids=["B2-L300-whole", "B2-L300-C64", "B1-L1000-C256"])
+def test_memory_estimate_bounds_what_each_mode_allocates(batch, length, chunk):
+    """Each mode's measured allocations (prefill, decode steps) stay under what every mode holds plus that mode's
+    own term: the tiny model on the CPU, where the profiler sees every tensor (the reference backend, SDPA with an
+    explicit mask for the later chunks)."""
+    model = _tiny()
+    plan = models.plan_for("tiny", model, None)
+    s = bench.Settings(lengths=(length,), batches=(batch,), decode_steps=2, warmup_decode_steps=2,
+                       prefill_chunk=chunk, backend="reference")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    e = memory.estimate_bytes(model.config, plan, weights=weights, batch=batch, length=length, settings=s)
+    shared = e["kv_cache"] + e["cache_growth"] + e["activations"] + e["logits"]  # the weights are already there
+    ids = timing.prompt(batch, length, 256, 0, "cpu")
+    measured = {"dense": _peak_bytes(lambda: timing.measure_mode(model, ids, s, warmup=False))}
+    with enable(model, plan, backend="reference", warn_uncalibrated=False):
+        measured["kascade"] = _peak_bytes(lambda: timing.measure_mode(model, ids, s, warmup=False))
+    with attach(model, NoAttention()):
+        measured["noattn"] = _peak_bytes(lambda: timing.measure_mode(model, ids, s, warmup=False))
+    for mode, got in measured.items():
+        assert got > e["kv_cache"], mode  # the measurement saw the cache at least
+        assert got <= shared + e[mode], (mode, got, shared, e[mode])
+    assert e["total"] > e["counted"] >= weights + shared + max(e["dense"], e["kascade"], e["noattn"])
 
 
 def test_random_llama_is_built_in_the_requested_dtype():
-    model = bench.random_llama(bench.TINY, device="cpu", dtype=torch.bfloat16, max_positions=4096)
+    model = models.random_llama(models.TINY, device="cpu", dtype=torch.bfloat16, max_positions=4096)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE frequencies are not rounded to bf16
     assert model.config.max_position_embeddings == 4096 and torch.get_default_dtype() == torch.float32
@@ -169,9 +304,9 @@ def test_random_llama_is_built_in_the_requested_dtype():
 
 def test_predicted_time_is_an_upper_bound_shape():
     done = [dict(batch=1, length=1000, wall_s=2.0)]
-    assert bench.predict_seconds([], 1, 1000) is None
-    assert bench.predict_seconds(done, 1, 2000) == pytest.approx(8.0)
-    assert bench.predict_seconds(done, 8, 500) == pytest.approx(8.0)
+    assert memory.predict_seconds([], 1, 1000) is None
+    assert memory.predict_seconds(done, 1, 2000) == pytest.approx(8.0)
+    assert memory.predict_seconds(done, 8, 500) == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -204,14 +339,14 @@ def test_bad_settings_are_refused():
 
 
 def test_out_of_memory_is_recorded_per_configuration(tmp_path, monkeypatch):
-    real = bench.measure_mode
+    real = timing.measure_mode
 
     def measure_mode(model, ids, settings, *, warmup):
         if getattr(model, "_kascade_handle", None) is not None and ids.shape[1] == 64:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 GiB")
         return real(model, ids, settings, warmup=warmup)
 
-    monkeypatch.setattr(bench, "measure_mode", measure_mode)
+    monkeypatch.setattr(timing, "measure_mode", measure_mode)
     s = bench.Settings(lengths=(64, 96), batches=(1,), decode_steps=1, backend="reference", time_budget_s=None)
     r = bench.run(["tiny"], s, tmp_path)
     a, b = r["configs"]
@@ -222,8 +357,6 @@ def test_out_of_memory_is_recorded_per_configuration(tmp_path, monkeypatch):
 
 
 def test_decode_mode_settings_are_checked():
-    from kascade import bench
-
     assert bench.Settings(device="cpu").decode == "eager"
     assert bench.Settings(device="cpu").warmup_decode_steps == 16  # eager: kernels specialise on N % 16
     assert bench.Settings(device="cuda").decode == "graph"
