@@ -170,6 +170,8 @@ class KascadePlan:
     reuse:      the reuse rule (:class:`Reuse`; default: the paper's).
     by_length:  ``((max_n, plan), ...)`` with increasing ``max_n``: a forward whose longest sequence has at most
                 ``max_n`` keys uses that sub-plan (the first that fits); longer ones use this plan's own fields.
+    tensor_parallel: the tensor-parallel size the plan was made *shard-local* for (every reuse head follows an
+                anchor head of its own rank: :meth:`for_tensor_parallel`), or None (any head may follow any head).
     """
 
     fingerprint: ModelFingerprint
@@ -183,6 +185,7 @@ class KascadePlan:
     source: str = ""
     reuse: Reuse = Reuse()
     by_length: tuple = ()
+    tensor_parallel: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.fingerprint, ModelFingerprint):
@@ -219,6 +222,14 @@ class KascadePlan:
         self.budget  # validates ratio, k_min, tile
         self._check_reuse()
         self._check_by_length()
+        if self.tensor_parallel is not None:
+            tp = self.tensor_parallel
+            if not _is_int(tp) or tp < 1 or H % tp:
+                raise ValueError(f"tensor_parallel must be a positive integer dividing the {H} KV heads, got {tp!r}")
+            cross = self.crossing_links(tp)
+            if cross:
+                raise ValueError(f"the plan says it is shard-local for tensor_parallel={tp} but links heads across "
+                                 f"shards: (layer, head, anchor layer, anchor head) {cross[:3]}")
 
     def _check_reuse(self):
         n, H, a, r = self.num_layers, self.fingerprint.num_kv_heads, self.anchors, self.reuse
@@ -340,6 +351,47 @@ class KascadePlan:
         subs = tuple((m, dataclasses.replace(p, **changes)) for m, p in self.by_length)
         return dataclasses.replace(self, by_length=subs, **changes)
 
+    # -- tensor parallelism ------------------------------------------------------------------------------------
+    def crossing_links(self, tp: int) -> list[tuple[int, int, int, int]]:
+        """The links ``(layer, head, anchor layer, anchor head)`` that cross tensor-parallel shards when the KV heads
+        are split into ``tp`` equal, contiguous shards (empty: the plan runs shard-local at that size)."""
+        H = self.fingerprint.num_kv_heads
+        if H % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the model's {H} KV heads")
+        per = H // tp
+        return [(l, h, al, ah) for l in range(self.num_layers) if not self.is_anchor(l)
+                for h, pairs in enumerate(self.sources_of(l)) for al, ah in pairs if ah // per != h // per]
+
+    def for_tensor_parallel(self, tp: int, similarity=None) -> "KascadePlan":
+        """This plan made shard-local for ``tp`` ranks: every link that crosses shards is moved to an anchor head of
+        the reuse head's own shard, the most similar one by the calibration statistics' ``similarity[a, b, hb, ha]``
+        (:class:`kascade.calibrate.stats.CalibrationStats`, ``[layers, layers, heads, heads]``) when given, else the
+        head with the reuse head's own index (which every shard holds). Links within a shard are kept."""
+        H = self.fingerprint.num_kv_heads
+        cross = self.crossing_links(tp)  # checks that tp divides H
+        per = H // tp
+
+        def local(layer, h, al):
+            shard = range(h // per * per, h // per * per + per)
+            if similarity is None:
+                return h
+            return max(shard, key=lambda a: (float(similarity[al, layer, h, a]), -a))
+
+        head_map = [list(row) for row in self.head_map]
+        sources = None if self.reuse.sources is None else [[list(p) for p in row] for row in self.reuse.sources]
+        for l, h, al, ah in cross:
+            if sources is None:
+                head_map[l][h] = local(l, h, al)
+            else:
+                pairs = [(a, local(l, h, a) if a == al and x == ah else x) for a, x in sources[l][h]]
+                sources[l][h] = list(dict.fromkeys(pairs))  # a union may collapse to one source
+        plan = dataclasses.replace(self, head_map=tuple(map(tuple, head_map)), tensor_parallel=tp,
+                                   by_length=tuple((m, p.for_tensor_parallel(tp, similarity)) for m, p in self.by_length),
+                                   source=f"{self.source}; shard-local for tensor_parallel={tp} "
+                                   f"({len(cross)} links moved into their shard"
+                                   f"{' by similarity' if similarity is not None else ' to the same head'})")
+        return plan if sources is None else plan.with_reuse(sources=tuple(tuple(map(tuple, r)) for r in sources))
+
     def with_reuse(self, **changes) -> "KascadePlan":
         """A copy whose reuse rule has other fields (``scale``, ``sources``, ``sinks``, ``recent``)."""
         return dataclasses.replace(self, reuse=dataclasses.replace(self.reuse, **changes))
@@ -381,6 +433,8 @@ class KascadePlan:
             d["reuse"] = self.reuse.to_dict()
         if self.by_length:
             d["by_length"] = [dict(max_n=m, plan=p.to_dict()) for m, p in self.by_length]
+        if self.tensor_parallel is not None:
+            d["tensor_parallel"] = self.tensor_parallel
         return d
 
     @classmethod
@@ -474,7 +528,7 @@ def _parse(d, where: str) -> KascadePlan:
     if fmt not in FORMATS:
         raise ValueError(f"not a Kascade plan ({where}.format is {fmt!r}, expected one of {list(FORMATS)})")
     keys = {"format", *_BASE_FIELDS}
-    keys |= {"reuse", "by_length"} if fmt == FORMAT else set(_V2_REUSE) | {"by_length"} if fmt != FORMATS[0] else set()
+    keys |= {"reuse", "by_length", "tensor_parallel"} if fmt == FORMAT else set(_V2_REUSE) | {"by_length"} if fmt != FORMATS[0] else set()
     F.obj(where, d, keys, required=("fingerprint", "anchors", "head_map"))
     fpd = F.obj(f"{where}.fingerprint", d["fingerprint"],
                 ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"),
@@ -487,7 +541,7 @@ def _parse(d, where: str) -> KascadePlan:
                 for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
     kw = {}
     for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
-                       ("calibrated", F.bool), ("source", F.str)):
+                       ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
         if name in d:
             kw[name] = read(f"{where}.{name}", d[name])
     if fmt == FORMAT:

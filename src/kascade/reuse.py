@@ -28,16 +28,49 @@ from .plan import KascadePlan
 _BIG = torch.iinfo(torch.long).max
 
 
+class Heads:
+    """Which KV heads a layer runs and how the stored selections are laid out: all heads (one device), a tensor-
+    parallel rank's ``shard`` with selections of its own heads (shard-local plans), or a rank's shard with
+    selections gathered from every rank (``gathered``: exchange). Translates a plan's global head numbers."""
+
+    def __init__(self, shard=None, gathered: bool = False):
+        self.shard, self.gathered = shard, gathered
+
+    def own(self, total: int) -> range:
+        """The global heads this layer computes."""
+        return range(total) if self.shard is None else range(self.shard.start, self.shard.start + self.shard.count)
+
+    def stored(self, head: int, layer: int, anchor: int) -> int:
+        """Where global head ``head`` of ``anchor``'s selection sits in the stored selection."""
+        if self.shard is None or self.gathered:
+            return head
+        local = self.shard.local(head)
+        if local is None:
+            raise RuntimeError(f"Kascade: layer {layer} follows head {head} of anchor {anchor}, which another "
+                               "tensor-parallel rank holds; use a shard-local plan or exchange=True")
+        return local
+
+    def key(self):
+        return None if self.shard is None else (self.shard, self.gathered)
+
+
+ALL_HEADS = Heads()
+
+
 @functools.lru_cache(maxsize=4096)
-def _head_map(plan: KascadePlan, layer: int, device: torch.device) -> torch.Tensor | None:
-    row = plan.head_map[layer]
-    return None if row == tuple(range(len(row))) else torch.tensor(row, dtype=torch.long).to(device)
+def _head_map(plan: KascadePlan, layer: int, device: torch.device, heads_key) -> torch.Tensor | None:
+    heads = ALL_HEADS if heads_key is None else Heads(*heads_key)
+    anchor = plan.anchor_of(layer)
+    row = [heads.stored(plan.head_map[layer][h], layer, anchor) for h in heads.own(plan.fingerprint.num_kv_heads)]
+    if row == list(range(len(row))) and not heads.gathered:
+        return None
+    return torch.tensor(row, dtype=torch.long).to(device)
 
 
-def remap(plan: KascadePlan, layer: int, sel: Selection) -> Selection:
-    """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer and device;
-    an identity map returns ``sel`` itself)."""
-    hm = _head_map(plan, layer, sel.indices.device)
+def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
+    """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer, device and
+    head layout; an identity map returns ``sel`` itself)."""
+    hm = _head_map(plan, layer, sel.indices.device, heads.key())
     return sel if hm is None else sel.take_heads(hm)
 
 
@@ -48,21 +81,24 @@ def prefix(sel: Selection, scale: float, step: Step) -> Selection:
     return sel.prefix(counts, min(sel.indices.shape[-1], most))
 
 
-def layer_selection(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step) -> Selection:
+def layer_selection(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step,
+                    heads: Heads = ALL_HEADS) -> Selection:
     """The keys ``layer`` attends: an anchor its own selection (``selections[layer]``), a reuse layer by the
     plan's rule from the anchors' selections. For a ranked plan the anchors' selections must be ranked
-    (:func:`kascade.ops.select` with ``depth=plan.depth(anchor)``)."""
+    (:func:`kascade.ops.select` with ``depth=plan.depth(anchor)``). ``heads``: see :class:`Heads`."""
     if plan.is_anchor(layer):
         own = selections[layer]
+        if heads.gathered:
+            own = own.narrow_heads(heads.shard.start, heads.shard.count)
         return prefix(own, plan.scale(layer), step) if plan.ranked else own
     r = plan.reuse
     if r.sources is None and not r.recent:
         anchor = plan.anchor_of(layer)
         if anchor not in selections:
             raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
-        sel = remap(plan, layer, selections[anchor])
+        sel = remap(plan, layer, selections[anchor], heads)
         return prefix(sel, plan.scale(layer), step) if plan.ranked else sel
-    return merged(plan, layer, selections, step)
+    return merged(plan, layer, selections, step, heads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,10 +147,13 @@ def forced_keys(budget_rows: torch.Tensor, ends: torch.Tensor, starts: torch.Ten
     return torch.where(ok, pos + starts[:, None, None], -1)
 
 
-def merged(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step) -> Selection:
+def merged(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step,
+           heads: Heads = ALL_HEADS) -> Selection:
     """A reuse layer's set under the ``sources`` and ``sinks`` / ``recent`` rules, from the anchors' ranked
     selections (needs the step's geometry on the host)."""
-    pairs_per_head = plan.sources_of(layer)
+    every = plan.sources_of(layer)
+    pairs_per_head = [tuple((al, heads.stored(ah, layer, al)) for al, ah in every[h])
+                      for h in heads.own(plan.fingerprint.num_kv_heads)]
     for pairs in pairs_per_head:
         for al, _ in pairs:
             got = selections.get(al)

@@ -18,6 +18,7 @@ from .. import ops
 from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
 from .attention import ATTN_NAME, register
 from .runtime import KascadeRuntime
+from .tensor_parallel import head_shard
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -128,8 +129,8 @@ def resolve_backend(model, backend: str = "auto") -> str:
     return "triton" if why is None and p.device.type == "cuda" else "reference"
 
 
-def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto", selector=None,
-           account: bool = False, warn_uncalibrated: bool = True) -> KascadeHandle:
+def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto", exchange: bool = False,
+           selector=None, account: bool = False, warn_uncalibrated: bool = True) -> KascadeHandle:
     """Route every attention layer of ``model`` through Kascade with ``plan``.
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
@@ -137,7 +138,12 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     "searched", "faithful" = the paper's method). ``backend``: "auto" (default: the Triton kernels on CUDA when
     they support the model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
     "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
-    the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see :class:`KascadeRuntime`.
+    the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see
+    :class:`~kascade.integration.runtime.KascadeRuntime`.
+
+    On a tensor-parallel model (transformers' ``tp_plan``) every rank runs its own heads; the plan must then be
+    shard-local for the model's size (:meth:`KascadePlan.for_tensor_parallel`), or ``exchange=True`` all-gathers
+    the anchors' selections so that any plan runs (:mod:`kascade.integration.tensor_parallel`).
     """
     check_supported(model)
     backend = resolve_backend(model, backend)
@@ -148,10 +154,27 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     if not isinstance(plan, KascadePlan):
         raise TypeError(f"plan must be a KascadePlan or the name of a shipped variant, got {type(plan).__name__}")
     plan.check_model(model)
+    fp = plan.fingerprint
+    shard = head_shard(attention_modules(model), fp.num_kv_heads, fp.head_dim)
+    if exchange and shard is None:
+        raise ValueError("exchange=True exchanges selections between tensor-parallel ranks; this model is not "
+                         "tensor-parallel")
+    if shard is not None and not exchange:
+        for p in (plan, *(sub for _, sub in plan.by_length)):
+            cross = p.crossing_links(shard.size)
+            if cross:
+                made = f"shard-local for tensor_parallel={p.tensor_parallel}" if p.tensor_parallel else \
+                    "for a model on one device"
+                raise ValueError(f"this plan ({made}) links heads across the ranks of this model's tensor_parallel="
+                                 f"{shard.size} ({len(cross)} links, e.g. layer {cross[0][0]} head {cross[0][1]} -> "
+                                 f"anchor {cross[0][2]} head {cross[0][3]}): use plan.for_tensor_parallel("
+                                 f"{shard.size}) (or `kascade calibrate --tensor-parallel {shard.size}`), or "
+                                 "enable(..., exchange=True)")
     if not plan.calibrated and warn_uncalibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
                       "calibrated one (see `kascade calibrate`)", stacklevel=2)
-    return attach(model, KascadeRuntime(plan, backend, selector=selector, account=account))
+    return attach(model, KascadeRuntime(plan, backend, selector=selector, account=account, shard=shard,
+                                        exchange=exchange))
 
 
 def attach(model, runtime) -> KascadeHandle:

@@ -21,6 +21,7 @@ import torch
 from .. import ops, reuse
 from ..ops import Selection, Step
 from ..plan import KascadePlan
+from .tensor_parallel import gather_heads
 
 
 @dataclass
@@ -43,7 +44,8 @@ class KascadeRuntime:
     actually attended and the keys dense attention would attend (``self.attended``: layer -> [attended, dense]).
     """
 
-    def __init__(self, plan: KascadePlan, backend: str = "reference", selector=None, account: bool = False):
+    def __init__(self, plan: KascadePlan, backend: str = "reference", selector=None, account: bool = False,
+                 shard=None, exchange: bool = False):
         if backend not in ops.BACKENDS:
             raise ValueError(f"KascadeRuntime takes backend 'reference' or 'triton' (resolve 'auto' with "
                              f"resolve_backend), got {backend!r}")
@@ -55,6 +57,10 @@ class KascadeRuntime:
         self.backend = backend
         self.selector = selector
         self.account = account
+        # Tensor parallelism (kascade.integration.tensor_parallel): this rank's KV heads, and whether the anchors'
+        # selections are exchanged between ranks (else the plan must be shard-local).
+        self.shard, self.exchange = shard, exchange
+        self.heads = reuse.Heads(shard, gathered=exchange)
         self.attended: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         # What needs each sequence's geometry on the host (a static-cache decode step then reads it back once):
@@ -83,18 +89,20 @@ class KascadeRuntime:
             depth = plan.depth(layer) if plan.ranked else None
             if layer == 0:
                 if self.selector is None:
-                    out, sels[0] = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
+                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
                 else:
                     out = ops.dense_attention(q, k, v, scale=scale, step=step)
-                    sels[0] = self.selector(q, k, scale=scale, step=step)
+                    sel = self.selector(q, k, scale=scale, step=step)
+                sels[0] = gather_heads(sel, self.shard) if self.exchange else sel
                 if self.account:
                     self._count(layer, None, step)
                 return out
             if self.selector is None:
-                sels[layer] = ops.select(q, k, scale=scale, step=step, depth=depth)
+                sel = ops.select(q, k, scale=scale, step=step, depth=depth)
             else:
-                sels[layer] = self.selector(q, k, scale=scale, step=step)
-        keys = reuse.layer_selection(plan, layer, sels, step)
+                sel = self.selector(q, k, scale=scale, step=step)
+            sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
+        keys = reuse.layer_selection(plan, layer, sels, step, self.heads)
         if self.account:
             self._count(layer, keys, step)
         return ops.sparse_attention(q, k, v, keys, scale=scale, step=step)

@@ -49,6 +49,11 @@ class Selection:
         return Selection(self.indices.index_select(1, head_map), self.row_start, self.tile, self.decode,
                          self.ranked, self.counts)
 
+    def narrow_heads(self, start: int, count: int) -> "Selection":
+        """Heads ``start .. start + count - 1`` (a view: no copy)."""
+        return Selection(self.indices.narrow(1, start, count), self.row_start, self.tile, self.decode, self.ranked,
+                         self.counts)
+
     def prefix(self, counts: torch.Tensor, width: int) -> "Selection":
         """The first ``counts`` entries of each row of this ranked selection (``[B]`` or ``[B, R]``), stored in the
         first ``width`` columns (``width >= counts.max()``; no data is copied)."""
