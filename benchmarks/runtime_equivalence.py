@@ -1,7 +1,8 @@
 """Record what the runtime computes, so that a change to it can be shown to change nothing.
 
-    python benchmarks/runtime_equivalence.py record --out before.pt [--device cpu|cuda] [--dtype fp32|bf16]
-    python benchmarks/runtime_equivalence.py compare before.pt after.pt
+    python benchmarks/runtime_equivalence.py record --out before.pt [--device cpu|cuda] [--dtypes fp32 bf16]
+                                                    [--backend reference|triton|auto]
+    python benchmarks/runtime_equivalence.py compare before.pt after.pt [--atol X]
 
 ``record`` runs the default model (SmolLM2-135M-Instruct) through ``kascade.enable`` with every shipped plan, the
 uncalibrated uniform plan, a smaller ``k_min`` (so that the ratio, not the floor, sets the budget), plans with each
@@ -14,8 +15,12 @@ pydoc_data.topics:
 - decode: after the prefill, 4 teacher-forced decode steps (fixed next tokens), logits of each;
 - left-padded batch: windows of 600 and 450 tokens, left-padded, prefill + 2 decode steps.
 
+- greedy generation: 8 new tokens by ``model.generate`` (dynamic cache) and, on CUDA, by
+  :class:`~kascade.integration.graphs.GraphDecoder` (static cache, CUDA-graph replay), for the shipped plans.
+
 Per case it stores a SHA-256 of the logits' bytes (bit-identity), their argmax at every position and the full
-logits of the last 8 positions (the size of a difference). ``compare`` prints, per case, whether the bytes are
+logits of the last 8 positions (the size of a difference); for generation, the tokens. Several dtypes are recorded
+from one load of the model (``--dtypes``). ``compare`` prints, per case, whether the bytes are
 equal, the argmax agreement and the largest absolute difference of the stored logits, and exits 1 on a
 difference beyond ``--atol`` (0: bit-identical).
 """
@@ -85,6 +90,7 @@ def _plans(model):
 
 
 @torch.no_grad()
+@torch.no_grad()
 def _run_cases(model, plan, selector, backend, ids, ids_short):
     from transformers import DynamicCache
 
@@ -119,28 +125,45 @@ def _run_cases(model, plan, selector, backend, ids, ids_short):
     return out
 
 
+@torch.no_grad()
+def _generate(model, plan, backend, ids):
+    import kascade
+
+    out = {}
+    with kascade.enable(model, plan, backend=backend, warn_uncalibrated=False):
+        out["generate"] = model.generate(ids, max_new_tokens=8, do_sample=False)[:, ids.shape[1]:].cpu()
+        if ids.device.type == "cuda":
+            from kascade.integration.graphs import GraphDecoder
+
+            out["graph"] = GraphDecoder(model, 1, ids.shape[1] + 16).generate(ids, 8).cpu()
+    return out
+
+
 def record(args) -> None:
     import kascade
     from kascade import text
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model, tok = kascade.load_default_model(device=args.device, dtype=dtype)
+    model, tok = kascade.load_model(args.model, device=args.device, dtype=torch.float32)
     wins = text.windows(tok, "eval", PREFILL + DECODE_STEPS, 2, seed=0)
     ids, ids_short = wins[0][None], wins[1][None, :SHORT]
-    plans = _plans(model)
-    names = args.only or list(plans)
     result = {}
-    for name in names:
-        plan, selector = plans[name]
-        result[name] = _run_cases(model, plan, selector, args.backend, ids, ids_short)
-        print(f"recorded {name}", flush=True)
-    torch.save(dict(device=args.device, dtype=args.dtype, backend=args.backend, cases=result), args.out)
+    for dtype in args.dtypes:
+        model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        plans = _plans(model)
+        for name in args.only or list(plans):
+            plan, selector = plans[name]
+            key = name if len(args.dtypes) == 1 else f"{name}/{dtype}"
+            result[key] = _run_cases(model, plan, selector, args.backend, ids, ids_short)
+            if name in ("default", "searched", "faithful"):
+                result[key].update(_generate(model, plan, args.backend, ids.to(args.device)))
+            print(f"recorded {key}", flush=True)
+    torch.save(dict(device=args.device, dtypes=args.dtypes, backend=args.backend, cases=result), args.out)
     print(f"wrote {args.out}")
 
 
 def compare(args) -> int:
     a, b = torch.load(args.before, weights_only=False), torch.load(args.after, weights_only=False)
-    worst = 0.0
+    worst, token_diffs = 0.0, []
     lines = ["| plan | case | bytes equal | argmax agree | max abs diff (last 8 positions) |", "|---|---|---|---|---|"]
     missing = []
     for name, cases in a["cases"].items():
@@ -149,6 +172,13 @@ def compare(args) -> int:
             continue
         for case, x in cases.items():
             y = b["cases"][name][case]
+            if not isinstance(x, dict):  # generated tokens
+                same = torch.equal(x, y)
+                if not same:
+                    token_diffs.append(f"{name} {case}: {x.tolist()} vs {y.tolist()}")
+                if not same or args.verbose:
+                    lines.append(f"| {name} | {case} (tokens) | {same} | {(x == y).float().mean().item():.4f} | - |")
+                continue
             same = x["sha"] == y["sha"]
             agree = (x["argmax"] == y["argmax"]).float().mean().item()
             diff = (x["tail"] - y["tail"]).abs().max().item()
@@ -157,8 +187,9 @@ def compare(args) -> int:
                 lines.append(f"| {name} | {case} | {same} | {agree:.4f} | {diff:.3g} |")
     n = sum(len(c) for c in a["cases"].values())
     print("\n".join(lines))
-    print(f"{n} cases; largest difference {worst:.3g}" + (f"; missing plans: {missing}" if missing else ""))
-    return 0 if worst <= args.atol and not missing else 1
+    print(f"{n} cases; largest difference {worst:.3g}" + (f"; missing plans: {missing}" if missing else "")
+          + (f"; generated tokens differ in {len(token_diffs)}" if token_diffs else ""))
+    return 0 if worst <= args.atol and not missing and (args.atol > 0 or not token_diffs) else 1
 
 
 def main(argv=None) -> int:
@@ -167,7 +198,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("record", help="run every plan on the fixed inputs and save digests")
     r.add_argument("--out", required=True)
     r.add_argument("--device", default="cpu")
-    r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    r.add_argument("--model", default=None, help="the default model's GGUF file (default: the installed one)")
+    r.add_argument("--dtypes", nargs="+", default=["fp32"], choices=("fp32", "bf16"))
     r.add_argument("--backend", default="reference", choices=("reference", "triton", "auto"))
     r.add_argument("--only", nargs="*", default=None, help="record only these plans")
     c = sub.add_parser("compare", help="compare two recordings")

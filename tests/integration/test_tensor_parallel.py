@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kascade
 from conftest import tiny_model
 from kascade import KascadePlan, ModelFingerprint
 
@@ -96,3 +97,27 @@ def test_default_model_on_three_ranks(tmp_path, default_model):
     plan = _crossing_plan(model, k_min=32)
     report = _run(tmp_path, model, plan, ranks=3, length=120)
     _check(report, 3)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("exchange", [False, True], ids=["shard-local", "exchange"])
+def test_the_example_script_runs_on_two_ranks(tmp_path, default_model, exchange):
+    """examples/tensor_parallel.py, as a user runs it, on a tiny model that speaks the default model's tokenizer."""
+    _, tok = default_model
+    model = tiny_model("llama", vocab_size=len(tok), num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                       hidden_size=64)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    _crossing_plan(model).save(tmp_path / "plan.json")
+    example = Path(__file__).parents[2] / "examples" / "tensor_parallel.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           str(example), "--model", str(tmp_path / "model"), "--plan", str(tmp_path / "plan.json"),
+           "--max-new-tokens", "4"] + (["--exchange"] if exchange else [])
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = _crossing_plan(model) if exchange else _crossing_plan(model).for_tensor_parallel(2)
+    with torch.no_grad(), kascade.enable(model, plan):
+        ids = tok("Explain tensor parallelism in one sentence.", return_tensors="pt")
+        want = model.generate(**ids, max_new_tokens=4, do_sample=False)[0, ids["input_ids"].shape[1]:]
+    text = tok.decode(want, skip_special_tokens=True).strip()
+    assert text and text in r.stdout
