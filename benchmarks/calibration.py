@@ -18,7 +18,7 @@ import torch
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats, objective_table, plan_from_stats
 from kascade.calibrate.plots import importance_curve, similarity_heatmap
-from kascade.eval.fidelity import compare_plans
+from kascade.fidelity import compare_plans
 from kascade.models import load_model
 
 

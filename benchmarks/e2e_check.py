@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import kascade  # noqa: E402
 from kascade import bench  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint, text  # noqa: E402
-from kascade.eval.fidelity import scored_logits  # noqa: E402
-from kascade.eval.metrics import fidelity  # noqa: E402
+from kascade.fidelity import fidelity, scored_logits  # noqa: E402
 from kascade.integration.graphs import GraphDecoder, enable_dense  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kascade import KascadePlan, text  # noqa: E402
-from kascade.calibrate.variants import DevScorer, layer_sensitivity, measured_budget_plan  # noqa: E402
+from kascade.calibrate.budgets import layer_sensitivity, measured_budget_plan  # noqa: E402
+from kascade.fidelity import DenseReference  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 from kascade.plan import shipped_plan  # noqa: E402
 
@@ -76,7 +77,7 @@ def main():
     if a.start:
         base = plans["start"] = KascadePlan.load(a.start)
     grid = MEASURED_GRID if "full" in a.grids else tuple(s for s in MEASURED_GRID if s <= 2)
-    sens = layer_sensitivity(DevScorer(model, dev_windows(a.sens, seed=21)), base, grid, progress=False, log=log)
+    sens = layer_sensitivity(DenseReference(model, dev_windows(a.sens, seed=21)), base, grid, progress=False, log=log)
     res["sensitivity"] = sens
     (out / "sensitivity.json").write_text(json.dumps(sens, indent=1))
     log(f"sensitivity done, base KL {sens['base']:.4f}")
@@ -86,7 +87,7 @@ def main():
         p.save(out / f"plan_{name}.json")
         plans[f"searched + layer budget ({name.replace('_', ', ')})"] = p
         log(f"{name}: scales {list(p.reuse.scale)}")
-    chooser = DevScorer(model, dev_windows(a.choose, seed=7))
+    chooser = DenseReference(model, dev_windows(a.choose, seed=7))
     res["choose"] = {n: chooser(p) for n, p in plans.items()}
     log("choose (dev): " + "; ".join(f"{n} {v['kl']:.4f}" for n, v in res["choose"].items()))
     res["eval"] = {}

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kascade import KascadePlan, text  # noqa: E402
 from kascade.calibrate import collect_stats, plan_from_stats  # noqa: E402
-from kascade.calibrate.variants import DevScorer, dp_anchors, plan_for_rule, search_anchors  # noqa: E402
+from kascade.calibrate import dp_anchors, plan_for_rule, search_anchors  # noqa: E402
+from kascade.fidelity import DenseReference  # noqa: E402
 from kascade.models import load_model  # noqa: E402
 from kascade.plan import default_plan  # noqa: E402
 
@@ -55,7 +56,7 @@ def main():
     stats = collect_stats(model, text.windows(tok, "dev", 8192, 16, seed=0), progress=False)
     log("statistics: 16 dev windows x 8192")
     dev = text.windows(tok, "dev", 4096, 2, seed=7) + text.windows(tok, "dev", 8192, 2, seed=7)
-    scorer = DevScorer(model, dev)
+    scorer = DenseReference(model, dev)
     start = dp_anchors(stats, 6)
     found = {}
     for rule, kw in (("faithful", {}), ("layer-budget", dict(alpha=a.alpha))):

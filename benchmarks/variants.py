@@ -26,10 +26,9 @@ import torch
 
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats
-from kascade.calibrate import variants as cv
+from kascade import calibrate as cv
 from kascade.eval import ruler
-from kascade.eval.fidelity import scored_logits
-from kascade.eval.metrics import fidelity
+from kascade.fidelity import DenseReference, fidelity, scored_logits
 from kascade.eval.runner import _attended_fraction
 from kascade.integration.hf import enable
 from kascade.models import load_model
@@ -222,8 +221,8 @@ def main():
     write(out, res, plans, header, lengths, [])
 
     # 2. screen on dev windows (not the calibration ones: another seed) ----------------------------------------
-    scorers = {L: cv.DevScorer(model, text.windows(tok, "dev", L, a.dev_windows, seed=11),
-                                  backend=a.backend) for L in lengths}
+    scorers = {L: DenseReference(model, text.windows(tok, "dev", L, a.dev_windows, seed=11),
+                                 backend=a.backend) for L in lengths}
 
     def dev_kl(plan):
         return sum(scorers[L](plan.for_length(L) if plan.by_length else plan)["kl"] for L in lengths) / len(lengths)

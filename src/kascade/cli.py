@@ -19,11 +19,17 @@ def _demo(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import run
+    from .calibrate import pipeline
 
-    r = run.run(args)
+    settings = pipeline.Settings(
+        out=args.out, model=args.model, device=args.device, data=args.data, text_field=args.text_field,
+        seq_len=args.seq_len, samples=args.samples, anchors=args.anchors, target_agreement=args.target_agreement,
+        holdout=args.holdout, max_anchors=args.max_anchors, k=args.k, ratio=args.ratio, k_min=args.k_min,
+        tile=args.tile, rolling=not args.no_rolling, seed=args.seed, method=args.method, rule=args.rule,
+        lengths=args.lengths, search_windows=args.search_windows, search_evals=args.search_evals)
+    r = pipeline.run(settings)
     print()
-    print(run.report(r))
+    print(pipeline.report(r))
     return 0
 
 
@@ -92,9 +98,9 @@ def _positive(kind):
 
 
 def _method(value):
-    from .calibrate.variants import METHODS, RULES
+    from .calibrate.pipeline import METHODS, is_method
 
-    if value in METHODS or all(x in RULES for x in value.split("+")):
+    if is_method(value):
         return value
     raise argparse.ArgumentTypeError(f"unknown method {value!r}; choose from {', '.join(METHODS)} (or reuse rules "
                                      "joined by '+')")
@@ -108,7 +114,7 @@ def _model_args(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .calibrate import DEFAULT_K
+    from .calibrate.pipeline import Settings as CalibrationSettings
     from .eval.runner import TASKS
     from .eval.strategies import STRATEGIES
 
@@ -144,30 +150,38 @@ def build_parser() -> argparse.ArgumentParser:
         "plan.json (use it with kascade.enable or --plan), stats.json, objective.csv (DP objective per number of "
         "anchors) and two PNG plots into --out.",
     )
+    cal = CalibrationSettings()
     c.add_argument("--data", default=None,
                    help="development texts: a JSONL file (one object per line, text under --text-field) or a .txt "
                    "file (default: the development split of Python's pydoc_data.topics)")
-    c.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-    c.add_argument("--seq-len", type=int, default=4096, help="tokens per development window (default: 4096)")
-    c.add_argument("--samples", type=int, default=4, help="development windows for the statistics (default: 4)")
+    c.add_argument("--text-field", default=cal.text_field,
+                   help=f"JSONL field holding the text (default: {cal.text_field})")
+    c.add_argument("--seq-len", type=int, default=cal.seq_len,
+                   help=f"tokens per development window (default: {cal.seq_len})")
+    c.add_argument("--samples", type=int, default=cal.samples,
+                   help=f"development windows for the statistics (default: {cal.samples})")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--anchors", type=int, default=6, help="number of anchor layers, layer 0 included (default: 6)")
+    g.add_argument("--anchors", type=int, default=cal.anchors,
+                   help=f"number of anchor layers, layer 0 included (default: {cal.anchors})")
     g.add_argument("--target-agreement", type=float, default=None,
                    help="instead of --anchors: the smallest number of anchors whose teacher-forced top-1 agreement "
                    "with dense on --holdout held-out development windows reaches this value")
-    c.add_argument("--holdout", type=int, default=2,
-                   help="held-out development windows for --target-agreement (default: 2)")
-    c.add_argument("--max-anchors", type=int, default=12, help="largest budget in the table and search (default: 12)")
-    c.add_argument("--k", type=int, default=DEFAULT_K,
-                   help=f"top-k used to measure similarity (default: {DEFAULT_K}, as the authors)")
-    c.add_argument("--ratio", type=float, default=0.10, help="plan budget: fraction of keys kept (default: 0.10)")
-    c.add_argument("--k-min", type=int, default=128, help="plan budget: at least this many keys (default: 128)")
-    c.add_argument("--tile", type=int, default=32, help="prefill query tile (default: 32)")
+    c.add_argument("--holdout", type=int, default=cal.holdout,
+                   help=f"held-out development windows for --target-agreement (default: {cal.holdout})")
+    c.add_argument("--max-anchors", type=int, default=cal.max_anchors,
+                   help=f"largest budget in the table and search (default: {cal.max_anchors})")
+    c.add_argument("--k", type=int, default=cal.k,
+                   help=f"top-k used to measure similarity (default: {cal.k}, as the authors)")
+    c.add_argument("--ratio", type=float, default=cal.ratio,
+                   help=f"plan budget: fraction of keys kept (default: {cal.ratio:.2f})")
+    c.add_argument("--k-min", type=int, default=cal.k_min,
+                   help=f"plan budget: at least this many keys (default: {cal.k_min})")
+    c.add_argument("--tile", type=int, default=cal.tile, help=f"prefill query tile (default: {cal.tile})")
     c.add_argument("--no-rolling", action="store_true", help="plan budget: fixed instead of rolling prefill budget")
-    c.add_argument("--seed", type=int, default=0, help="which development windows (default: 0)")
-    c.add_argument("--method", default="faithful", type=_method,
-                   help="which plan to write: faithful (the paper's method, default), a reuse rule of issue 8 "
-                   "(any-anchor, union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
+    c.add_argument("--seed", type=int, default=cal.seed, help=f"which development windows (default: {cal.seed})")
+    c.add_argument("--method", default=cal.method, type=_method,
+                   help="which plan to write: faithful (the paper's method, default), a reuse rule (any-anchor, "
+                   "union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
                    "--lengths, chosen from N at run time), search (anchors by measured KL on other dev windows) or "
                    "measured (the shipped default's method: search, then per-layer budgets from each layer's measured "
                    "sensitivity on those windows; about 30 + 3 x layers plan evaluations)")
@@ -175,11 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
     c.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="with --method length / search / measured: calibration lengths (default: --seq-len)")
-    c.add_argument("--search-windows", type=int, default=2,
+    c.add_argument("--search-windows", type=int, default=cal.search_windows,
                    help="with --method search / measured: dev windows per length")
-    c.add_argument("--search-evals", type=int, default=24,
+    c.add_argument("--search-evals", type=int, default=cal.search_evals,
                    help="with --method search / measured: plans scored in the anchor search (per length for search)")
-    c.add_argument("--out", default="kascade-calibration", help="output folder (default: ./kascade-calibration)")
+    c.add_argument("--out", default=str(cal.out), help=f"output folder (default: ./{cal.out})")
     _model_args(c)
     c.set_defaults(func=_calibrate)
 

@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import text
-from .eval.metrics import Fidelity, fidelity
+from .fidelity import DenseReference
 from .integration.hf import enable
 from .models import load_model
 from .plan import default_plan
@@ -25,8 +25,7 @@ class RunResult:
     prefill_s: float
     decode_s: float
     new_tokens: int
-    decode_steps: int  # forward calls in the decode loop
-    logits: torch.Tensor  # [positions, V] teacher-forced logits of the prompt's last positions
+    decode_steps: int  # forward calls after the first token
 
 
 def build_prompt(tokenizer, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -47,34 +46,37 @@ def build_prompt(tokenizer, tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-@torch.no_grad()
-def greedy(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, keep: int, bar) -> RunResult:
-    """Prefill (keeping the last ``keep`` positions' logits), then greedy decode with the default KV cache."""
-    from transformers import DynamicCache
+class _Clock:
+    """A ``model.generate`` streamer: the times of the prompt, of every new token and of the end; a bar step per
+    token. Tokens reach it on the host, so each stamp follows the device's work for that token."""
 
+    def __init__(self, bar, device: torch.device):
+        self.bar, self.stamps = bar, []
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def put(self, tokens):
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) > 1:
+            self.bar.update(1)
+
+    def end(self):
+        self.sync()
+        self.stamps.append(time.perf_counter())
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, bar) -> RunResult:
+    """The greedy answer to ``ids [1, n]`` (``model.generate``), the time to its first token (the prefill) and the
+    time of the tokens after it."""
     dev = next(model.parameters()).device
+    clock = _Clock(bar, dev)
     ids = ids.to(dev)
-    cache = DynamicCache()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    sync()
-    prefill = time.perf_counter() - t0
-    bar.update(1)
-    logits = out.logits[0].float().cpu()
-    nxt = out.logits[0, -1].argmax()
-    new, steps = [int(nxt)], 0
-    t0 = time.perf_counter()
-    while len(new) < max_new_tokens and new[-1] != tokenizer.eos_token_id:
-        out = model(nxt.view(1, 1), past_key_values=cache, use_cache=True)
-        nxt = out.logits[0, -1].argmax()
-        new.append(int(nxt))
-        steps += 1
-        bar.update(1)
-    sync()
-    decode = time.perf_counter() - t0
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, streamer=clock)
+    new = out[0, ids.shape[1] :].tolist()
+    t = clock.stamps  # prompt, first token, ..., end
     answer = tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
-    return RunResult(answer, prefill, decode, len(new), steps, logits)
+    return RunResult(answer, t[1] - t[0], t[-1] - t[1], len(new), len(new) - 1)
 
 
 def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, device: str = "cpu",
@@ -85,18 +87,19 @@ def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, d
     model, tok = load_model(model_path, device=device, dtype=dtype)
     load_s = time.perf_counter() - t0
     ids = build_prompt(tok, tokens, seed=seed)
-    keep = min(compare_last + 1, ids.shape[1])
     plan = plan or default_plan(model)
     results = {}
     with tqdm(total=2 * max_new_tokens, desc="dense + kascade", unit="step") as bar:
         bar.set_postfix_str("dense")
-        results["dense"] = greedy(model, tok, ids, max_new_tokens, keep, bar)
+        results["dense"] = greedy(model, tok, ids, max_new_tokens, bar)
         bar.set_postfix_str("kascade")
         with enable(model, plan):
-            results["kascade"] = greedy(model, tok, ids, max_new_tokens, keep, bar)
+            results["kascade"] = greedy(model, tok, ids, max_new_tokens, bar)
         bar.update(bar.total - bar.n)
-    # logits at position t predict token t+1: compare the last `compare_last` prompt positions
-    fid: Fidelity = fidelity(results["dense"].logits[-compare_last - 1 : -1], results["kascade"].logits[-compare_last - 1 : -1])
+    # teacher-forced on the prompt's last `compare_last` positions (position t's logits predict token t + 1)
+    print("teacher-forced comparison on the prompt ...", flush=True)
+    ref = DenseReference(model, [ids[0]], positions=compare_last, backend="auto")
+    (fid,) = ref.compare(plan)
     return dict(prompt_tokens=ids.shape[1], load_s=load_s, plan=plan, results=results, fidelity=fid,
                 expected=VALUE, device=device)
 

@@ -4,14 +4,28 @@ import json
 
 import pytest
 
+from kascade.calibrate import pipeline
 from kascade.cli import main
+
+
+def test_flags_become_the_settings(monkeypatch, capsys):
+    """argparse stays in the command: the pipeline gets a Settings built from the flags (defaults: Settings())."""
+    seen = []
+    monkeypatch.setattr(pipeline, "run", lambda s: seen.append(s) or s)
+    monkeypatch.setattr(pipeline, "report", lambda r: "")
+    assert main(["calibrate"]) == 0
+    assert main(["calibrate", "--seq-len", "300", "--no-rolling", "--lengths", "200", "300", "--method", "search",
+                 "--rule", "sinks", "--target-agreement", "0.9", "--k-min", "32", "--out", "x"]) == 0
+    assert seen[0] == pipeline.Settings()
+    assert seen[1] == pipeline.Settings(out="x", seq_len=300, rolling=False, lengths=(200, 300), method="search",
+                                        rule="sinks", target_agreement=0.9, k_min=32)
 
 
 @pytest.mark.model
 def test_calibrate_end_to_end(tmp_path, default_model, monkeypatch, capsys):
-    import kascade.calibrate.run as run
+    import kascade.calibrate.pipeline as pipeline
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)  # loaded once per session
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: default_model)  # loaded once per session
     out = tmp_path / "cal"
     rc = main(["calibrate", "--seq-len", "300", "--samples", "2", "--anchors", "4", "--max-anchors", "5",
                "--out", str(out)])
@@ -27,9 +41,9 @@ def test_calibrate_end_to_end(tmp_path, default_model, monkeypatch, capsys):
 
 @pytest.mark.model
 def test_calibrate_target_agreement(tmp_path, default_model, monkeypatch):
-    import kascade.calibrate.run as run
+    import kascade.calibrate.pipeline as pipeline
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: default_model)
     out = tmp_path / "cal"
     rc = main(["calibrate", "--seq-len", "300", "--samples", "1", "--holdout", "1", "--target-agreement", "0.5",
                "--max-anchors", "4", "--out", str(out)])
@@ -40,9 +54,9 @@ def test_calibrate_target_agreement(tmp_path, default_model, monkeypatch):
 
 
 def _bad(tmp_path, monkeypatch, default_model, argv, capsys):
-    import kascade.calibrate.run as run
+    import kascade.calibrate.pipeline as pipeline
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: default_model)
     rc = main(["calibrate", "--out", str(tmp_path / "x"), *argv])
     return rc, capsys.readouterr().err
 
@@ -75,10 +89,10 @@ def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
 
 @pytest.mark.model
 def test_calibrate_method_writes_that_variants_plan(tmp_path, default_model, monkeypatch):
-    import kascade.calibrate.run as run
+    import kascade.calibrate.pipeline as pipeline
     from kascade import KascadePlan
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: default_model)
     out = tmp_path / "cal"
     rc = main(["calibrate", "--seq-len", "300", "--samples", "1", "--anchors", "4", "--max-anchors", "4",
                "--k-min", "32", "--method", "any-anchor+layer-budget", "--out", str(out)])

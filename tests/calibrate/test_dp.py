@@ -1,7 +1,17 @@
+import itertools
+
 import pytest
 import torch
 
-from kascade.calibrate.dp import brute_force_anchors, choose_anchors, objective
+from kascade.calibrate.dp import choose_anchors, objective
+
+
+def brute_force_anchors(weights: torch.Tensor, num_anchors: int) -> tuple[tuple[int, ...], float]:
+    """Exhaustive search: every anchor set of the given size containing 0."""
+    L = weights.shape[0]
+    best = max(((0, *rest) for rest in itertools.combinations(range(1, L), num_anchors - 1)),
+               key=lambda a: objective(weights, a))
+    return best, objective(weights, best)
 
 
 @pytest.mark.parametrize("L", [2, 3, 5, 7, 10])

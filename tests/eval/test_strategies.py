@@ -4,8 +4,9 @@ import torch
 import kascade
 from conftest import tiny_model
 from kascade.budget import Budget
+from kascade.calibrate import collect_stats, rules
+from kascade.eval.strategies import STRATEGIES, VARIANTS, make_strategy, quest_select, streaming_select
 from kascade.ops import plan_step
-from kascade.eval.strategies import STRATEGIES, make_strategy, quest_select, streaming_select
 
 
 # kascade-faithful needs a shipped plan: test_shipped_variants_serve_the_default_model
@@ -75,6 +76,30 @@ def test_quest_picks_the_page_with_the_largest_bound():
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown strategy"):
         make_strategy("magic", tiny_model("llama"))
+
+
+def test_variant_strategies_on_a_tiny_model():
+    model = tiny_model("llama", num_key_value_heads=3)
+    g = torch.Generator().manual_seed(0)
+    wins = [torch.randint(3, 97, (200,), generator=g) for _ in range(2)]
+    st = collect_stats(model, wins, k=16, tile=16, progress=False)
+    base = rules.plan_for_rule(model, st, (0, 2), "faithful", budget=dict(k_min=8, tile=16))
+    ids = wins[0][None]
+    for name in VARIANTS:
+        if name in ("kascade-search", "kascade-best"):
+            with pytest.raises(ValueError, match="made beforehand"):
+                make_strategy(name, model, base, stats=st)
+            plan, sel = make_strategy(name, model, base, variant_plans={name: base})
+            assert plan == base and sel is None
+            continue
+        plan, sel = make_strategy(name, model, base, stats={200: st})
+        assert sel is None and len(plan.anchors) == 2 and plan.k_min == 8
+        with torch.no_grad(), kascade.enable(model, plan, account=True, warn_uncalibrated=False) as h:
+            model(ids)
+        a, d = h.runtime.attended[3]
+        assert 0.05 < a / d < 0.5, (name, a / d)
+    with pytest.raises(ValueError, match="needs calibration statistics"):
+        make_strategy("kascade-union2", model, base)
 
 
 def test_shipped_variants_serve_the_default_model(default_model):

@@ -4,13 +4,18 @@ Each anchor ``a`` covers the layers from ``a`` up to (not including) the next an
 imp(b) * sim(a, b)`` (``sim(b, b) = 1``), the objective of an anchor set is ``sum_b w[anchor(b), b]``; layer 0 is
 always an anchor. ``best[c][e]`` is the best value for layers ``0..e-1`` covered by ``c`` anchors whose last run
 ends just before ``e``; the answer for ``A`` anchors is ``best[A][L]``.
+
+Each reuse layer's KV head then follows the head of its anchor with the highest similarity (the argmax head map).
+
+    plan = plan_from_stats(model, stats, num_anchors=6)
 """
 
 from __future__ import annotations
 
-import itertools
-
 import torch
+
+from ..plan import KascadePlan, ModelFingerprint
+from .stats import CalibrationStats
 
 
 def _segment_values(weights: torch.Tensor) -> torch.Tensor:
@@ -58,9 +63,45 @@ def objective(weights: torch.Tensor, anchors) -> float:
     return sum(float(weights[max(a for a in anchors if a <= b), b]) for b in range(L))
 
 
-def brute_force_anchors(weights: torch.Tensor, num_anchors: int) -> tuple[tuple[int, ...], float]:
-    """Exhaustive search (for tests): every anchor set of the given size containing 0."""
-    L = weights.shape[0]
-    best = max(((0, *rest) for rest in itertools.combinations(range(1, L), num_anchors - 1)),
-               key=lambda a: objective(weights, a))
-    return best, objective(weights, best)
+def layer_weights(stats: CalibrationStats) -> torch.Tensor:
+    """``w[a, b] = imp(b) * sim(a, b)``: the DP's per-layer reward for letting anchor ``a`` serve layer ``b``."""
+    return stats.layer_similarity() * stats.importance[None, :]
+
+
+def dp_anchors(stats: CalibrationStats, num_anchors: int) -> tuple[int, ...]:
+    """The DP's anchor set of size ``num_anchors`` for the statistics."""
+    return choose_anchors(layer_weights(stats), num_anchors)[0]
+
+
+def head_maps(stats: CalibrationStats, anchors, num_layers: int) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the argmax head map towards its anchor (the nearest one at or below it; identity on anchors)."""
+    return tuple(stats.head_map(max(a for a in anchors if a <= b), b) for b in range(num_layers))
+
+
+def plan_from_stats(model_or_fp, stats: CalibrationStats, num_anchors: int, *, ratio: float = 0.10,
+                    k_min: int = 128, tile: int = 32, rolling: bool = True, head_map: bool = True,
+                    source: str = "") -> KascadePlan:
+    """The DP's anchor set for ``num_anchors`` and the argmax head map (identity if ``head_map=False``)."""
+    fp = model_or_fp if isinstance(model_or_fp, ModelFingerprint) else ModelFingerprint.from_model(model_or_fp)
+    if stats.similarity.shape[0] != fp.num_layers or stats.similarity.shape[-1] != fp.num_kv_heads:
+        raise ValueError("calibration statistics do not match the model's layer or KV-head count")
+    if not 1 <= num_anchors <= fp.num_layers:
+        raise ValueError(f"--anchors must be in 1..{fp.num_layers} (the model's layer count), got {num_anchors}")
+    anchors, value = choose_anchors(layer_weights(stats), num_anchors)
+    ident = (tuple(range(fp.num_kv_heads)),) * fp.num_layers
+    hm = head_maps(stats, anchors, fp.num_layers) if head_map else ident
+    src = source or (f"calibrated: DP over {stats.windows} windows of {stats.seq_len} tokens, k={stats.k}, "
+                     f"objective {value:.4f}{'' if head_map else ', identity head map'}")
+    return KascadePlan(fp, anchors, hm, ratio=ratio, k_min=k_min, tile=tile, rolling=rolling, calibrated=True,
+                       source=src)
+
+
+def objective_table(stats: CalibrationStats, max_anchors: int) -> list[dict]:
+    """DP objective (absolute and as a fraction of ``sum imp``, i.e. of an all-anchor model) for A = 1..max."""
+    w = layer_weights(stats)
+    total = float(stats.importance.sum())
+    rows = []
+    for A in range(1, max_anchors + 1):
+        anchors, value = choose_anchors(w, A)
+        rows.append(dict(anchors=A, layers=list(anchors), objective=value, fraction=value / total if total else 0.0))
+    return rows

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def _plt():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'kascade[plots]'") from None
-    return plt
+from ..plots import pyplot
 
 
 def similarity_heatmap(stats, anchors, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     s = stats.layer_similarity().numpy()
     L = s.shape[0]
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
@@ -40,7 +31,7 @@ def similarity_heatmap(stats, anchors, path: Path) -> Path:
 
 
 def importance_curve(stats, anchors, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     imp = stats.importance.numpy()
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     ax.plot(range(len(imp)), imp, marker="o", ms=3)

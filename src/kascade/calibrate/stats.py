@@ -11,16 +11,24 @@ with ``own_b`` the mass layer ``b``'s head ``hb`` puts on the tile's own keys. T
 fewer than k earlier keys left out) is taken per window; windows are averaged. Importance
 ``imp(b) = 1 - cos(x_b, x_b + attn_out_b)`` is averaged over tokens and windows, from hooks on the decoder layers.
 No layer's probabilities outlive its attention call.
+
+    stats = collect_stats(model, windows)            # streaming, one dense forward per window
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from ..integration.hf import attach, attention_modules
 from ..ops.reference import _math_dtype, iter_pooled_prefill
+from ..plan import ModelFingerprint
+
+DEFAULT_K = 64  # the authors' selection runs use k = 64
 
 
 @dataclass
@@ -86,7 +94,8 @@ def window_similarity(pooled_chunks, num_layers: int, layer: int, index_sets: to
 
 
 class StatsRecorder:
-    """Attention runtime for :func:`kascade.integration.hf.attach`: dense outputs, calibration statistics."""
+    """Attention runtime for :func:`kascade.integration.hf.attach` (``begin(q, k, kv_start, q_offset)`` per forward,
+    ``attend(layer, q, k, v, state, scale)`` per layer): dense outputs, calibration statistics on the side."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, k: int, tile: int):
         self.L, self.H, self.k, self.tile = num_layers, num_kv_heads, k, tile
@@ -148,3 +157,47 @@ class StatsRecorder:
             importance=(self.imp_sum / self.imp_count.clamp_min(1)).float(),
             windows=self.windows, seq_len=seq_len, k=self.k, tile=self.tile,
         )
+
+
+def min_window_tokens(k: int, tile: int) -> int:
+    """Shortest window with at least one tile that has ``k`` earlier keys."""
+    return math.ceil(k / tile) * tile + 1
+
+
+def _decoder_layer_of(model, attn_module):
+    for m in model.modules():
+        if any(c is attn_module for c in m.children()):
+            return m
+    raise ValueError("could not find the decoder layer holding an attention module")
+
+
+@torch.no_grad()
+def collect_stats(model, windows: list[torch.Tensor], *, k: int = DEFAULT_K, tile: int = 32,
+                  progress: bool = True) -> CalibrationStats:
+    """Run ``model`` densely on each window (1-D token tensors) and return the streamed statistics."""
+    if not windows:
+        raise ValueError("no calibration windows given")
+    need = min_window_tokens(k, tile)
+    for i, w in enumerate(windows):
+        if w.dim() != 1:
+            raise ValueError(f"window {i} must be a 1-D tensor of token ids, got shape {tuple(w.shape)}")
+        if len(w) < need:
+            raise ValueError(f"calibration text {i} has {len(w)} tokens; at least {need} are needed "
+                             f"(one tile of {tile} after k={k} earlier keys)")
+    fp = ModelFingerprint.from_model(model)
+    rec = StatsRecorder(fp.num_layers, fp.num_kv_heads, k, tile)
+    mods = attention_modules(model)
+    hooks = []
+    try:
+        for layer, m in enumerate(mods):
+            hooks.append(_decoder_layer_of(model, m).register_forward_pre_hook(rec.layer_input_hook(layer),
+                                                                               with_kwargs=True))
+            hooks.append(m.register_forward_hook(rec.attn_output_hook(layer)))
+        dev = next(model.parameters()).device
+        with attach(model, rec):
+            for w in tqdm(windows, desc="calibration windows", unit="window", disable=not progress):
+                model(w[None].to(dev), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rec.result(seq_len=max(len(w) for w in windows))

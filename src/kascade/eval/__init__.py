@@ -1,0 +1,6 @@
+"""`kascade eval`: sparse-attention strategies against dense at the same budget, on the same attention path.
+
+:mod:`.strategies` (Kascade's plans and the baselines as (plan, selector) pairs), :mod:`.ruler` (RULER-style
+generated tasks), :mod:`.longbench` (LongBench-format files and metrics), :mod:`.runner` (the run, its files).
+Teacher-forced fidelity against dense comes from :mod:`kascade.fidelity`.
+"""

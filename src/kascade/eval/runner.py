@@ -12,10 +12,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import text
+from ..fidelity import DenseReference
 from ..integration.hf import enable
+from ..plots import pyplot
 from . import longbench, ruler
-from .fidelity import scored_logits
-from .metrics import fidelity
 from .strategies import make_strategy
 
 FIDELITY = "fidelity"
@@ -66,20 +66,17 @@ class Session:
         frac, per_layer = _attended_fraction(handle.runtime if handle else None)
         return pred, frac, per_layer, time.perf_counter() - t0, ids["input_ids"].shape[1]
 
-    @torch.no_grad()
     def fidelity(self, window: torch.Tensor):
         """Per strategy: top-1 agreement and KL vs dense, and NLL of the true next tokens (second half scored)."""
-        ids = window[None].to(self.dev)
-        d, target = scored_logits(self.model, ids)
+        ref = DenseReference(self.model, [window])
         res = {}
         for name in self.strategies:
             handle = self._ctx(name)
             try:
-                s = d if handle is None else scored_logits(self.model, ids)[0]
+                (f,) = ref.baseline() if handle is None else ref.measure()
             finally:
                 if handle is not None:
                     handle.disable()
-            f = fidelity(d, s, targets=target)
             frac, per_layer = _attended_fraction(handle.runtime if handle else None)
             res[name] = dict(agreement=f.top1_agreement, kl=f.kl, nll=f.nll, attended_fraction=frac,
                              attended_per_layer=per_layer)
@@ -164,9 +161,7 @@ def write(rows: list[dict], out: Path, header: str = "") -> dict:
 
 
 def _chart(summary, path: Path) -> Path:
-    from ..calibrate.plots import _plt
-
-    plt = _plt()
+    plt = pyplot()
     strategies = list(dict.fromkeys(r["strategy"] for r in summary))
     cols = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
     by = {(r["strategy"], r["task"], r["length"]): r["score"] for r in summary}

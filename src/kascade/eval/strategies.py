@@ -2,8 +2,9 @@
 
 Every strategy is a (plan, selector) pair run by the same :class:`kascade.integration.runtime.KascadeRuntime`: the
 plan says which layers choose keys and which reuse them, the selector how keys are chosen (called as
-``selector(q, k, scale=..., step=...)`` like :func:`kascade.ops.select`, with the step's budget and geometry). All of them keep layer 0 dense and attend through the same sparse
-attention op, so they differ only in *which* keys they attend.
+``selector(q, k, scale=..., step=...)`` like :func:`kascade.ops.select`, with the step's budget and geometry). All
+of them keep layer 0 dense and attend through the same sparse attention op, so they differ only in *which* keys
+they attend.
 
 - dense:               no sparsity.
 - oracle:              every layer selects its own top-k (exact pooled probabilities).
@@ -20,8 +21,8 @@ attention op, so they differ only in *which* keys they attend.
 - omnikv:              one selection layer (``omnikv_layer``, default 2) pooled over all heads; every later layer
                        reuses its indices, layers before it reuse layer 0's.
 
-Issue 8's variants of Kascade (:data:`VARIANTS`; same anchor count and budget as ``kascade``, see
-:mod:`kascade.calibrate.variants` and :mod:`kascade.reuse`): ``kascade-sinks`` needs only the plan;
+Kascade with other reuse rules or anchors (:data:`VARIANTS`; same anchor count and budget as ``kascade``, see
+:mod:`kascade.calibrate.rules` and :mod:`kascade.reuse`): ``kascade-sinks`` needs only the plan;
 ``kascade-any-anchor``, ``kascade-union2``, ``kascade-layer-budget`` keep the plan's anchors and need calibration
 statistics (``stats``); ``kascade-length`` needs statistics at several lengths; ``kascade-search`` and
 ``kascade-best`` need a plan made beforehand (``variant_plans``, from ``kascade calibrate --method`` or
@@ -34,11 +35,13 @@ import dataclasses
 from functools import partial
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .. import ops
 from ..budget import Budget
+from ..calibrate import rules
 from ..ops import Step
-from ..ops.selection import Selection
+from ..ops.selection import Selection, sort_padded
 from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
 
 STRATEGIES = ("dense", "oracle", "kascade", "kascade-faithful", "kascade-no-headmap", "kascade-shared",
@@ -70,11 +73,8 @@ def _rows(n: int, L: int, budget: Budget, decode: bool):
 
 
 def _sorted_padded(rows: list[torch.Tensor], device) -> torch.Tensor:
-    K = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), K), -1, dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r.sort().values
-    return out
+    """1-D rows of key slots -> ``[len(rows), K]``, each row ascending, -1 padded."""
+    return sort_padded(pad_sequence(rows, batch_first=True, padding_value=-1).to(device))
 
 
 def streaming_select(q, k, *, step: Step, scale=None, sinks: int = SINKS) -> Selection:
@@ -141,24 +141,19 @@ def quest_select(q, k, *, step: Step, scale=None, page: int = PAGE) -> Selection
         K = max(c.shape[1] for c in chosen)
         idx = torch.full((H, len(chosen), K), -1, dtype=torch.long, device=q.device)
         for r, c in enumerate(chosen):
-            c = torch.where(c >= 0, c + start, -1)
-            big_i = torch.iinfo(torch.long).max
-            c = torch.where(c >= 0, c, big_i).sort(-1).values
-            idx[:, r, : c.shape[1]] = torch.where(c == big_i, -1, c)
+            idx[:, r, : c.shape[1]] = sort_padded(torch.where(c >= 0, c + start, -1))
         per_seq.append(idx)
         starts.append(t_first)
     return _assemble(per_seq, starts, T, L == 1, H, q.device)
 
 
 def _variant(name, fp, base, b, stats, variant_plans):
-    from ..calibrate import variants as cv
-
     if variant_plans and name in variant_plans:
         return variant_plans[name].with_budget(**b), None
     if name == "kascade-sinks":
-        return dataclasses.replace(base.with_reuse(sinks=cv.SINKS, recent=cv.RECENT),
-                                   source=base.source + f"; reuse rows: {cv.SINKS} sinks + recent window for "
-                                   f"{cv.RECENT:.0%} of the budget"), None
+        return dataclasses.replace(base.with_reuse(sinks=rules.SINKS, recent=rules.RECENT),
+                                   source=base.source + f"; reuse rows: {rules.SINKS} sinks + recent window for "
+                                   f"{rules.RECENT:.0%} of the budget"), None
     if name in ("kascade-search", "kascade-best"):
         raise ValueError(f"strategy {name!r} needs a plan made beforehand (variant_plans={{{name!r}: plan}}; see "
                          "`kascade calibrate --method search` or benchmarks/variants.py)")
@@ -166,9 +161,9 @@ def _variant(name, fp, base, b, stats, variant_plans):
         raise ValueError(f"strategy {name!r} needs calibration statistics (stats: {{length: CalibrationStats}})")
     stats = stats if isinstance(stats, dict) else {stats.seq_len: stats}
     if name == "kascade-length":
-        return cv.length_plan(fp, stats, len(base.anchors), budget=b), None
+        return rules.length_plan(fp, stats, len(base.anchors), budget=b), None
     rule = name.removeprefix("kascade-")
-    return cv.plan_for_rule(fp, stats[max(stats)], base.anchors, rule, budget=b), None
+    return rules.plan_for_rule(fp, stats[max(stats)], base.anchors, rule, budget=b), None
 
 
 def available(model) -> tuple[str, ...]:

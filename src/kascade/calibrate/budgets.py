@@ -1,0 +1,117 @@
+"""Measured per-layer budgets: each layer's sensitivity to its budget, then the allocation that minimises it.
+
+``layer_sensitivity`` measures the KL against dense of a plan with one layer's budget multiplier changed at a time
+(any scorer with ``scorer(plan)["kl"]``, e.g. :class:`kascade.fidelity.DenseReference`); ``allocate_scales`` picks
+one multiplier of the grid per layer minimising the summed changes at the same mean budget, by an exact dynamic
+program over the budget; ``measured_budget_plan`` applies it to the plan (``plan.reuse.scale``).
+
+    sens = layer_sensitivity(DenseReference(model, dev_windows), plan)
+    plan = measured_budget_plan(plan, sens)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tqdm.auto import tqdm
+
+from ..plan import KascadePlan
+
+MEASURED_GRID = (0.5, 1.0, 1.5, 2.0)  # anchors then rank at most 2x deep
+
+
+def _with_scales(plan: KascadePlan, scales: dict[int, float]) -> KascadePlan:
+    L = plan.num_layers
+    return plan.with_reuse(scale=tuple(float(scales.get(l, 1.0)) for l in range(L)))
+
+
+def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress: bool = True, log=None) -> dict:
+    """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "current": {layer: scale},
+    "kl": {layer: {scale: kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``scale`` of
+    ``grid`` but the layer's current one (``plan``'s reuse scale, 1 without it; the other layers keep theirs)."""
+    if plan.reuse.sources is not None or plan.reuse.recent > 0 or plan.by_length:
+        raise ValueError("layer_sensitivity takes a plan with anchors and head map only (no sources / sinks / "
+                         "sub-plans per length)")
+    cur = {l: plan.scale(l) for l in range(plan.num_layers)}
+    base = scorer(plan)["kl"]
+    layers = range(1, plan.num_layers)
+    todo = {l: [s for s in grid if s != cur[l]] for l in layers}
+    table = {}
+    bar = tqdm(total=sum(map(len, todo.values())), desc="layer sensitivity", unit="plan", disable=not progress)
+    for l in layers:
+        table[l] = {}
+        for s in todo[l]:
+            table[l][s] = scorer(_with_scales(plan, {**cur, l: s}))["kl"]
+            bar.update(1)
+        if log:
+            log(f"    sensitivity layer {l} (at {cur[l]}x): " +
+                ", ".join(f"{s}x {v - base:+.4f}" for s, v in table[l].items()))
+    bar.close()
+    return dict(base=base, current={l: cur[l] for l in layers}, kl=table)
+
+
+def monotone_costs(sens: dict, grid=MEASURED_GRID) -> dict[int, dict[float, float]]:
+    """Per layer and scale of ``grid``, the measured KL change against the base plan (0 at the layer's current
+    scale, ``sens["current"]``, 1 if absent), made monotone: more keys never cost fidelity (above the current scale
+    a scale's change is at most the next smaller one's, and at most 0; below it at least the next larger one's, and
+    at least 0). A measured change against that order is noise of the finite windows, and the allocation would
+    otherwise spend budget on it."""
+    out = {}
+    for l, row in sens["kl"].items():
+        c = float(sens.get("current", {}).get(l, sens.get("current", {}).get(str(l), 1.0)))
+        d = {c: 0.0, **{float(s): v - sens["base"] for s, v in row.items()}}
+        up, down = sorted(s for s in d if s > c), sorted((s for s in d if s < c), reverse=True)
+        prev = 0.0
+        for s in up:
+            prev = d[s] = min(d[s], prev)
+        prev = 0.0
+        for s in down:
+            prev = d[s] = max(d[s], prev)
+        out[int(l)] = {s: d[s] for s in grid if s in d}
+    return out
+
+
+def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5) -> tuple[float, ...]:
+    """Per-layer budget multipliers from :func:`layer_sensitivity`'s table: one scale of ``grid`` per layer 1..L-1
+    minimising the sum of the measured KL changes (each layer's change measured alone: an additive model, made
+    monotone by :func:`monotone_costs`), with the mean scale over layers 1..L-1 exactly 1 (the same average
+    budget). Exact, by dynamic programming over the budget in units of ``unit`` (every grid value must be a
+    multiple of it). Layer 0 (dense) keeps 1."""
+    units = {}
+    for s in grid:
+        u = s / unit
+        if abs(u - round(u)) > 1e-9 or u <= 0:
+            raise ValueError(f"grid value {s} is not a positive multiple of unit {unit}")
+        units[s] = int(round(u))
+    if 1.0 not in units:
+        raise ValueError("the grid must contain 1.0")
+    layers = list(range(1, num_layers))
+    total = units[1.0] * len(layers)
+    costs = monotone_costs(sens, grid)
+    missing = [(l, s) for l in layers for s in grid if s not in costs.get(l, {})]
+    if missing:
+        raise ValueError(f"the sensitivity table has no measurement for (layer, scale) {missing[:4]}")
+
+    # best[c] = (cost, choices) over the layers so far using c units
+    best = {0: (0.0, ())}
+    for l in layers:
+        nxt = {}
+        for c, (v, ch) in best.items():
+            for s, u in units.items():
+                c2 = c + u
+                if c2 > total:
+                    continue
+                v2 = v + costs[l][s]
+                if c2 not in nxt or v2 < nxt[c2][0]:
+                    nxt[c2] = (v2, ch + (s,))
+        best = nxt
+    if total not in best:
+        raise ValueError("no allocation of the grid reaches the mean budget exactly")
+    return (1.0, *(float(s) for s in best[total][1]))
+
+
+def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
+    """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid``."""
+    scales = allocate_scales(sens, plan.num_layers, grid)
+    return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
+        f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))

@@ -1,0 +1,50 @@
+"""`kascade demo`: greedy answers through model.generate (timed per token) and the teacher-forced comparison."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_model
+from kascade import demo
+from kascade.cli import main
+from kascade.models import cache_kwargs
+
+
+class _Tokenizer:
+    pad_token_id = eos_token_id = 2
+
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+
+class _Bar:
+    n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+def test_greedy_answers_as_a_hand_written_greedy_loop():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(0))
+    bar = _Bar()
+    r = demo.greedy(model, _Tokenizer(), ids, 8, bar)
+    with torch.no_grad():  # prefill into a cache, then one forward per token until eos or 8 tokens
+        cache = cache_kwargs(model, DynamicCache())
+        nxt = model(ids, use_cache=True, **cache).logits[0, -1].argmax()
+        new = [int(nxt)]
+        while len(new) < 8 and new[-1] != 2:
+            nxt = model(nxt.view(1, 1), use_cache=True, **cache).logits[0, -1].argmax()
+            new.append(int(nxt))
+    assert r.answer == " ".join(map(str, new)) and r.new_tokens == len(new) and r.decode_steps == len(new) - 1
+    assert bar.n == len(new) and r.prefill_s > 0 and r.decode_s >= 0
+
+
+@pytest.mark.model
+def test_demo_end_to_end(default_model, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "load_model", lambda *a, **k: default_model)
+    assert main(["demo", "--tokens", "600", "--max-new-tokens", "4", "--compare-last", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher-forced on the prompt's last 64 positions: top-1 agreement" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("dense ", "kascade "))}
+    assert set(lines) == {"dense", "kascade"}
