@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import kascade  # noqa: E402
-from kascade import bench  # noqa: E402
-from kascade import KascadePlan, ModelFingerprint, text  # noqa: E402
-from kascade.fidelity import fidelity, scored_logits  # noqa: E402
-from kascade.integration.graphs import GraphDecoder, enable_dense  # noqa: E402
-from kascade.models import load_model  # noqa: E402
+import kascade
+from kascade import bench
+from kascade import KascadePlan, ModelFingerprint, text
+from kascade.fidelity import fidelity, scored_logits
+from kascade.integration.graphs import GraphDecoder, enable_dense
+from kascade.models import load_model
 
 
 def log(*a):

@@ -1,12 +1,12 @@
-"""Per-layer budgets from measured sensitivity (issue 8), one GPU call:
+"""Per-layer budgets from measured sensitivity, one GPU call:
 
     python benchmarks/measured_budget.py --model /root/stage/smollm2.gguf --out $OUT
 
 1. From the shipped "searched" plan (searched anchors, faithful reuse; or --start), measure the teacher-forced KL
    against dense on "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every
-   scale of the grid): :func:`kascade.calibrate.variants.layer_sensitivity`.
+   scale of the grid): :func:`kascade.calibrate.budgets.layer_sensitivity`.
 2. Allocate one scale per layer by exact dynamic programming on those measurements (additive model, mean scale over
-   layers 1..29 exactly 1): :func:`kascade.calibrate.variants.allocate_scales`, for the full grid (up to 3x) and for
+   layers 1..29 exactly 1): :func:`kascade.calibrate.budgets.allocate_scales`, for the full grid (up to 3x) and for
    the grid capped at 2x (anchors rank at most 2x deep), as --grids asks.
 3. Score the candidates on *other* dev windows (the choice is made there), then evaluate every plan on the held-out
    eval windows (8 x 4K, 5 x 8K), reference backend, fp32.
@@ -17,23 +17,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from kascade import KascadePlan, text  # noqa: E402
-from kascade.calibrate.budgets import layer_sensitivity, measured_budget_plan  # noqa: E402
-from kascade.fidelity import DenseReference  # noqa: E402
-from kascade.models import load_model  # noqa: E402
-from kascade.plan import shipped_plan  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variants import Log, evaluate  # noqa: E402
+from kascade import KascadePlan, text
+from kascade.calibrate.budgets import layer_sensitivity, measured_budget_plan
+from kascade.fidelity import DenseReference, compare_plans
+from kascade.models import load_model
+from kascade.plan import shipped_plan
 
 MEASURED_GRID = (0.5, 1.0, 1.5, 2.0, 3.0)  # measured; the library's default grid is the capped one (up to 2x)
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
+
+
+def evaluate(model, plans: dict, windows, backend: str) -> dict:
+    """Per plan: agreement / KL against dense pooled over the windows, and the attended fraction of keys."""
+    return {n: f.as_dict() for n, f in compare_plans(model, plans, windows, backend=backend, account=True).items()}
 
 
 def main():
@@ -55,7 +62,6 @@ def main():
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = Log()
 
     import transformers
 
@@ -92,7 +98,7 @@ def main():
     log("choose (dev): " + "; ".join(f"{n} {v['kl']:.4f}" for n, v in res["choose"].items()))
     res["eval"] = {}
     for L, n in zip(a.eval, a.eval_windows):
-        res["eval"][L] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), lambda *x: None, "reference")
+        res["eval"][L] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), "reference")
         log(f"eval {L}: " + "; ".join(f"{k} {v['agreement']:.4f}/{v['kl']:.4f}" for k, v in res["eval"][L].items()))
         (out / "measured.json").write_text(json.dumps(res, indent=1, default=str))
     best = min(res["choose"], key=lambda k: res["choose"][k]["kl"])

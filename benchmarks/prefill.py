@@ -22,20 +22,18 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import triton
+from triton.testing import do_bench
 
-from kascade.budget import Budget  # noqa: E402
-from kascade.ops import reference  # noqa: E402
-from kascade.ops.triton import prefill as tp  # noqa: E402
+from kascade.budget import Budget
+from kascade.ops import reference
+from kascade.ops.triton import prefill as tp
 
 BUDGET = Budget(ratio=0.1, k_min=128, tile=32)
 MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}

@@ -1,4 +1,4 @@
-"""Issue 8: close the gap between calibrated Kascade and the oracle at the same cost. One GPU call:
+"""Reuse variants against the paper's rule and the oracle at the same cost, one GPU call:
 
     python benchmarks/variants.py --model /root/stage/smollm2.gguf --device cuda --out $OUT
 
@@ -28,8 +28,7 @@ from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats
 from kascade import calibrate as cv
 from kascade.eval import ruler
-from kascade.fidelity import DenseReference, fidelity, scored_logits
-from kascade.eval.runner import _attended_fraction
+from kascade.fidelity import DenseReference, compare_plans
 from kascade.integration.hf import enable
 from kascade.models import load_model
 
@@ -37,34 +36,16 @@ GOAL = {8192: (0.95, 0.02), 4096: (0.92, None)}
 STAGES = ("calibrate", "screen", "search", "eval", "niah")
 
 
-class Log:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg):
-        print(f"[{time.perf_counter() - self.t0:7.1f} s] {msg}", flush=True)
+T0 = time.perf_counter()
 
 
-@torch.no_grad()
-def evaluate(model, plans: dict, windows, log, backend: str) -> dict:
-    """Per plan: agreement / KL vs dense pooled over windows, attended fraction (mean over windows)."""
-    dev = next(model.parameters()).device
-    acc = {n: dict(agree=0.0, kl=0.0, pos=0, frac=0.0) for n in plans}
-    for i, w in enumerate(windows):
-        ids = w[None].to(dev)
-        d, _ = scored_logits(model, ids)
-        for name, plan in plans.items():
-            with enable(model, plan, account=True, warn_uncalibrated=False, backend=backend) as h:
-                s, _ = scored_logits(model, ids)
-            f = fidelity(d, s)
-            a = acc[name]
-            a["agree"] += f.top1_agreement * f.positions
-            a["kl"] += f.kl * f.positions
-            a["pos"] += f.positions
-            a["frac"] += _attended_fraction(h.runtime)[0] / len(windows)
-        log(f"  window {i + 1}/{len(windows)} of {w.numel()} tokens done")
-    return {n: dict(agreement=a["agree"] / a["pos"], kl=a["kl"] / a["pos"], attended_fraction=a["frac"],
-                    positions=a["pos"]) for n, a in acc.items()}
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
+
+
+def evaluate(model, plans: dict, windows, backend: str) -> dict:
+    """Per plan: agreement / KL against dense pooled over the windows, and the attended fraction of keys."""
+    return {n: f.as_dict() for n, f in compare_plans(model, plans, windows, backend=backend, account=True).items()}
 
 
 @torch.no_grad()
@@ -185,7 +166,6 @@ def main():
         raise SystemExit("--eval-windows needs one count, or one per --lengths")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = Log()
     torch.manual_seed(0)
     model, tok = load_model(a.model, device=a.device, dtype=torch.float32)
     fp = ModelFingerprint.from_model(model)
@@ -297,7 +277,7 @@ def main():
         res["eval"] = {}
         for L, n in zip(a.lengths, a.eval_windows):
             t1 = time.perf_counter()
-            res["eval"][str(L)] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1), log,
+            res["eval"][str(L)] = evaluate(model, plans, text.windows(tok, "eval", L, n, seed=1),
                                          a.backend)
             log(f"eval at {L}: {n} windows, {time.perf_counter() - t1:.1f} s")
             write(out, res, plans, header, lengths, [])

@@ -81,3 +81,22 @@ def test_dense_reference_is_the_explicit_loop():
     assert [f.nll for f in base] == [fidelity(d, d, targets=t).nll for d, t in ref.dense]
     with pytest.raises(ValueError, match="at least one window"):
         DenseReference(model, [])
+
+
+def test_compare_counts_the_attended_keys_per_window():
+    from conftest import tiny_model
+    from kascade import KascadePlan, ModelFingerprint
+    from kascade.fidelity import DenseReference, pool
+
+    model = tiny_model("llama")
+    fp = ModelFingerprint.from_model(model)
+    wins = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (200, 256)]
+    ref = DenseReference(model, wins)
+    full = ref.compare(KascadePlan.all_anchors(fp, ratio=1.0, k_min=1, tile=8), account=True)
+    assert [f.attended for f in full] == [1.0, 1.0] and all(f.top1_agreement == 1.0 for f in full)
+    sparse = ref.compare(KascadePlan.uniform(fp, 2, ratio=0.1, k_min=8, tile=16), account=True)
+    assert all(0.05 < f.attended < 0.5 for f in sparse) and sparse[0].attended != sparse[1].attended
+    pooled = pool(sparse)
+    w = [f.positions for f in sparse]
+    assert abs(pooled.attended - (sparse[0].attended * w[0] + sparse[1].attended * w[1]) / sum(w)) < 1e-12
+    assert ref.compare(KascadePlan.uniform(fp, 2))[0].attended is None  # counted only when asked

@@ -68,6 +68,32 @@ def test_ranked_select_prefix_equals_select_and_ranking_is_deeper():
             assert (r.indices[b, 1, row, c:] >= 0).sum() == (budget.row_counts(step.n, step.tiles()[0], step.rows, 2.0)[b, row] - c)
 
 
+def test_union_and_sink_sets_are_sorted_distinct_padded_and_on_budget():
+    torch.manual_seed(1)
+    model = _model()
+    fp = ModelFingerprint.from_model(model)
+    q, k = torch.randn(1, 6, 300, 8), torch.randn(1, 3, 300, 8)
+    budget = Budget(ratio=0.1, k_min=8, tile=16)
+    kw = dict(budget=budget, scale=8**-0.5, kv_start=torch.tensor([0]), q_offset=0)
+    sels = {0: reference.select(q, k, depth=1.0, **kw), 2: reference.select(q * 0.5 + 1, k, depth=1.0, **kw)}
+    plan = KascadePlan(fp, (0, 2), HM, ratio=0.1, k_min=8, tile=16).with_reuse(sources=UNION, sinks=4, recent=0.5)
+    step = plan_step(q, k, budget=budget)
+    sel = layer_selection(plan, 3, sels, step)
+    counts = step.counts(1.0)[0][0].tolist()
+    assert min(counts) == 0 and max(counts) > 8  # the first tile keeps nothing, the last ones more than the sinks
+    for h in range(3):
+        for r, c in enumerate(counts):
+            row = sel.indices[0, h, r].tolist()
+            keys = [x for x in row if x >= 0]
+            assert row == keys + [-1] * (len(row) - len(keys))  # -1 padding at the end
+            assert keys == sorted(set(keys)) and len(keys) == c  # ascending, distinct, exactly the budget
+            s = (int(sel.row_start[0]) + r) * 16
+            assert all(0 <= x < s for x in keys)  # strictly before the tile
+            if c >= 8:  # floor(0.5 c) >= 4: the 4 sinks and the most recent keys are in
+                nf = c // 2
+                assert keys[:4] == [0, 1, 2, 3] and set(range(s - (nf - 4), s)) <= set(keys)
+
+
 def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
     """sources equal to the head map and scales of 1 take the ranked path but must pick the same keys."""
     model = _model()

@@ -13,6 +13,7 @@ true next tokens under the sparse logits; :func:`pool` weights windows by their 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,9 +33,15 @@ class Fidelity:
     kl: float  # mean KL(dense || sparse), nats per position
     positions: int
     nll: float | None = None  # mean negative log-likelihood of the true next tokens under the sparse logits
+    attended: float | None = None  # keys attended / keys dense attention attends (counted from the selections)
 
     def __str__(self) -> str:
         return f"top-1 agreement {self.top1_agreement:.4f}, KL {self.kl:.4f} nats ({self.positions} positions)"
+
+    def as_dict(self) -> dict:
+        """JSON-ready: ``agreement``, ``kl``, ``nll``, ``positions``, ``attended_fraction``."""
+        return dict(agreement=self.top1_agreement, kl=self.kl, nll=self.nll, positions=self.positions,
+                    attended_fraction=self.attended)
 
 
 def fidelity(dense_logits: torch.Tensor, sparse_logits: torch.Tensor, mask: torch.Tensor | None = None,
@@ -71,7 +78,11 @@ def pool(fids: Sequence[Fidelity]) -> Fidelity:
         nll += 0.0 if f.nll is None else f.nll * f.positions
         count += f.positions
     has_nll = all(f.nll is not None for f in fids)
-    return Fidelity(top1_agreement=agree / count, kl=kl / count, positions=count, nll=nll / count if has_nll else None)
+    att = None
+    if all(f.attended is not None for f in fids):
+        att = sum(f.attended * f.positions for f in fids) / count
+    return Fidelity(top1_agreement=agree / count, kl=kl / count, positions=count, nll=nll / count if has_nll else None,
+                    attended=att)
 
 
 def scored_logits(model, ids: torch.Tensor, scored_fraction: float = SCORED_FRACTION, *,
@@ -114,10 +125,21 @@ class DenseReference:
         """Per window: the model as it runs now against the dense logits."""
         return [fidelity(d, self._scored(ids)[0], targets=t) for ids, (d, t) in zip(self.ids, self.dense)]
 
-    def compare(self, plan) -> list[Fidelity]:
-        """Per window: the model under ``kascade.enable(model, plan)`` against dense."""
-        with enable(self.model, plan, backend=self.backend, warn_uncalibrated=False):
-            return self.measure()
+    def compare(self, plan, *, selector=None, account: bool = False) -> list[Fidelity]:
+        """Per window: the model under ``kascade.enable(model, plan, selector=...)`` against dense; with ``account``
+        each :class:`Fidelity` also holds the fraction of keys the window attended."""
+        if not account:
+            with enable(self.model, plan, backend=self.backend, selector=selector, warn_uncalibrated=False):
+                return self.measure()
+        out = []
+        for ids, (d, t) in zip(self.ids, self.dense):
+            with torch.no_grad(), enable(self.model, plan, backend=self.backend, selector=selector, account=True,
+                                         warn_uncalibrated=False) as h:
+                f = fidelity(d, self._scored(ids)[0], targets=t)
+            att = sum(a for a, _ in h.runtime.attended.values())
+            den = sum(n for _, n in h.runtime.attended.values())
+            out.append(dataclasses.replace(f, attended=att / den if den else 1.0))
+        return out
 
     def baseline(self) -> list[Fidelity]:
         """Per window: dense against itself (agreement 1, KL 0, dense's NLL), without another forward."""
@@ -129,9 +151,9 @@ class DenseReference:
 
 
 def compare_plans(model, plans: dict, windows: Sequence[torch.Tensor], *, scored_fraction: float = SCORED_FRACTION,
-                  progress: bool = True, backend: str = "reference") -> dict[str, Fidelity]:
-    """Every plan against dense on every window, pooled over windows. Windows are the outer loop, so only one
-    window's logits are held at a time."""
+                  progress: bool = True, backend: str = "reference", account: bool = False) -> dict[str, Fidelity]:
+    """Every plan against dense on every window, pooled over windows (``account``: with the attended fraction of
+    keys). Windows are the outer loop, so only one window's logits are held at a time."""
     if not windows:
         raise ValueError("no evaluation windows given")
     per_window = {name: [] for name in plans}
@@ -140,6 +162,6 @@ def compare_plans(model, plans: dict, windows: Sequence[torch.Tensor], *, scored
             ref = DenseReference(model, [w], scored_fraction=scored_fraction, backend=backend)
             bar.update(1)
             for name, plan in plans.items():
-                per_window[name] += ref.compare(plan)
+                per_window[name] += ref.compare(plan, account=account)
                 bar.update(1)
     return {name: pool(fids) for name, fids in per_window.items()}

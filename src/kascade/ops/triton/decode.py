@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ...budget import Budget
 from ..selection import Selection
-from ..step import DecodeMeta, decode_meta
+from ..step import decode_meta
 from . import topk
 from .common import LOG2E, dot, flags, interpreting, num_sms, to_out
 
