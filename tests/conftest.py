@@ -1,3 +1,6 @@
+# GPU mode of the Triton kernel tests (compiled kernels on CUDA tensors, larger shapes; the default is the CPU):
+#   KASCADE_TEST_DEVICE=cuda python3 -m pytest tests/ops/test_triton_*.py tests/integration/test_hf_triton.py
+import os
 import pathlib
 import sys
 
@@ -5,6 +8,36 @@ import pytest
 
 # Let tests import helpers that live next to them (tests/ops/brute_force.py and friends).
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "ops"))
+
+# Where the Triton kernel tests run (tests/ops/kernel_checks.py hands every tensor they make to this device).
+# "cpu" (default, CI): the kernels run in Triton's interpreter on CPU tensors, which needs TRITON_INTERPRET=1 before
+# triton is first imported, i.e. here: pytest imports this file before any test module. "cuda" (or "cuda:N"): the
+# kernels are compiled and run on the GPU, with shapes and case counts multiplied by TEST_SCALE.
+TEST_DEVICE = os.environ.get("KASCADE_TEST_DEVICE", "").strip().lower() or "cpu"
+if TEST_DEVICE.split(":")[0] not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"KASCADE_TEST_DEVICE must be 'cpu' or 'cuda[:N]', got {TEST_DEVICE!r}")
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise pytest.UsageError("KASCADE_TEST_DEVICE=cuda runs the compiled kernels: unset TRITON_INTERPRET")
+# Size multiplier of the kernel tests' shapes (N, L) and of the fuzz's case count: 1 on the CPU (the interpreter is
+# slow), 4 on a GPU; KASCADE_TEST_SCALE overrides it.
+TEST_SCALE = int(os.environ.get("KASCADE_TEST_SCALE", "1" if TEST_DEVICE == "cpu" else "4"))
+if TEST_SCALE < 1:
+    raise pytest.UsageError(f"KASCADE_TEST_SCALE must be >= 1, got {TEST_SCALE}")
+
+
+def pytest_report_header(config):
+    mode = "Triton interpreter on the CPU" if TEST_DEVICE == "cpu" else f"compiled on {TEST_DEVICE}"
+    return f"kascade kernel tests: {mode}, size scale {TEST_SCALE} (KASCADE_TEST_DEVICE, KASCADE_TEST_SCALE)"
+
+
+def pytest_sessionstart(session):
+    if TEST_DEVICE != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"KASCADE_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device")
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +72,10 @@ def tiny_model(family: str = "llama", **overrides):
 @pytest.fixture
 def forward_states(monkeypatch):
     """Every forward's state (step, plan, the selections left at its end), in order, as the runtime makes them."""
-    from kascade.integration.runtime import KascadeRuntime
+    from kascade.attention import Attention
 
-    states, begin = [], KascadeRuntime.begin
-    monkeypatch.setattr(KascadeRuntime, "begin", lambda self, *a: states.append(begin(self, *a)) or states[-1])
+    states, begin = [], Attention.begin
+    monkeypatch.setattr(Attention, "begin", lambda self, *a: states.append(begin(self, *a)) or states[-1])
     return states
 
 
@@ -50,7 +83,7 @@ def forward_states(monkeypatch):
 def op_calls(monkeypatch):
     """The runtime's calls of the public ops: ``[(name, args, kwargs, result)]`` in order (outermost calls only: an
     op that calls another is recorded once)."""
-    from kascade.integration import runtime
+    from kascade import ops
 
     calls, depth = [], [0]
 
@@ -67,5 +100,5 @@ def op_calls(monkeypatch):
         return call
 
     for name in ("dense_select", "select", "dense_attention", "sparse_attention"):
-        monkeypatch.setattr(runtime.ops, name, spy(name, getattr(runtime.ops, name)))
+        monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
     return calls

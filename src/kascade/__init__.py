@@ -8,6 +8,7 @@ Public API::
         out = model.generate(**tok(prompt, return_tensors="pt"), max_new_tokens=32)
 """
 
+from .attention import Attention, Forward
 from .budget import Budget
 from .integration.hf import disable, enable
 from .models import default_model_path, load_model
@@ -24,7 +25,9 @@ def load_default_model(*, device="cpu", dtype=None):
 
 
 __all__ = [
+    "Attention",
     "Budget",
+    "Forward",
     "KascadePlan",
     "ModelFingerprint",
     "default_model_path",

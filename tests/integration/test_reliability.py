@@ -162,23 +162,23 @@ def test_a_tiny_per_layer_scale_still_attends_a_key():
 
 def test_nothing_is_held_after_the_block():
     """The selections of a forward belong to it: once it returns, they are freed (the handle keeps none)."""
-    from kascade.integration import runtime
+    from kascade import ops
 
     model = tiny_model("llama")
     refs = []
-    orig = runtime.ops.dense_select
+    orig = ops.dense_select
 
     def spy(*a, **kw):
         out, sel = orig(*a, **kw)
         refs.append(weakref.ref(sel.indices))
         return out, sel
 
-    runtime.ops.dense_select = spy
+    ops.dense_select = spy
     try:
         with torch.no_grad(), kascade.enable(model, _plan(model)) as h:
             model(_ids(100))
     finally:
-        runtime.ops.dense_select = orig
+        ops.dense_select = orig
     gc.collect()
     assert refs and all(r() is None for r in refs)
     assert not any(isinstance(v, torch.Tensor) for v in vars(h.runtime).values())

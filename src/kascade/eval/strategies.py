@@ -1,6 +1,6 @@
 """Sparse-attention strategies compared by the evaluation harness.
 
-Every strategy is a (plan, selector) pair run by the same :class:`kascade.integration.runtime.KascadeRuntime`: the
+Every strategy is a (plan, selector) pair run by the same :class:`kascade.Attention`: the
 plan says which layers choose keys and which reuse them, the selector how keys are chosen (called as
 ``selector(q, k, scale=..., step=...)`` like :func:`kascade.ops.select`, with the step's budget and geometry). All
 of them keep layer 0 dense and attend through the same sparse attention op, so they differ only in *which* keys

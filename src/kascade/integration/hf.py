@@ -1,8 +1,8 @@
 """Route a transformers model's attention through Kascade, reversibly.
 
 ``enable`` registers one attention function and one mask function under the name ``"kascade"`` in transformers'
-registries (at call time, never at import; :mod:`kascade.integration.attention`), switches the model's attention
-implementation to it, and attaches a runtime (:class:`~kascade.integration.runtime.KascadeRuntime`) to each
+registries (at call time, never at import; :mod:`kascade.integration.functions`), switches the model's attention
+implementation to it, and attaches a runtime (:class:`kascade.Attention`) to each
 attention module. ``disable`` (or leaving the ``with`` block) puts the previous implementation back and detaches
 everything, so the model computes exactly what it computed before. :func:`attach` is the mechanism under it: any
 runtime can be attached (calibration's statistics recorder, the dense and no-attention baselines of the benchmark).
@@ -16,9 +16,9 @@ import torch
 
 from .. import ops
 from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
-from .attention import ATTN_NAME, register
-from .runtime import KascadeRuntime
-from .tensor_parallel import head_shard
+from .functions import ATTN_NAME, register
+from ..attention import Attention
+from ..tensor_parallel import head_shard
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -63,7 +63,7 @@ def _set_implementation(model, name: str) -> None:
 class KascadeHandle:
     """Returned by :func:`enable`; a context manager whose exit (or :meth:`disable`) restores the model."""
 
-    def __init__(self, model, runtime: KascadeRuntime, previous_impl: str, modules):
+    def __init__(self, model, runtime, previous_impl: str, modules):
         self.model = model
         self.runtime = runtime
         self.plan = getattr(runtime, "plan", None)
@@ -139,11 +139,11 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     they support the model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
     "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
     the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see
-    :class:`~kascade.integration.runtime.KascadeRuntime`.
+    :class:`kascade.Attention`.
 
     On a tensor-parallel model (transformers' ``tp_plan``) every rank runs its own heads; the plan must then be
     shard-local for the model's size (:meth:`KascadePlan.for_tensor_parallel`), or ``exchange=True`` all-gathers
-    the anchors' selections so that any plan runs (:mod:`kascade.integration.tensor_parallel`).
+    the anchors' selections so that any plan runs (:mod:`kascade.tensor_parallel`).
     """
     check_supported(model)
     backend = resolve_backend(model, backend)
@@ -173,8 +173,8 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     if not plan.calibrated and warn_uncalibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "
                       "calibrated one (see `kascade calibrate`)", stacklevel=2)
-    return attach(model, KascadeRuntime(plan, backend, selector=selector, account=account, shard=shard,
-                                        exchange=exchange))
+    return attach(model, Attention(plan, backend, selector=selector, account=account, shard=shard,
+                                   exchange=exchange))
 
 
 def attach(model, runtime) -> KascadeHandle:

@@ -1,119 +1,12 @@
-"""The runtime: every attention layer of an enabled model, computed by its plan through the public ops.
-
-Per forward pass (one prefill or one decode step) layer 0 plans the step once (:func:`kascade.ops.plan_step`: key
-geometry, decode metadata, budgets) and keeps it, with the anchors' selections, in a :class:`ForwardState` that
-belongs to that forward alone (it travels with the forward's mask object, so concurrent forwards never share one).
-Every layer is then one of three kinds:
-
-- layer 0: dense output and its selection (one pass where the backend fuses them);
-- anchor:  its own selection, then sparse attention over it;
-- reuse:   the keys its plan's reuse rule takes from the anchors' selections (:mod:`kascade.reuse`), then sparse
-           attention over them.
-"""
+"""Runtimes to attach (:func:`kascade.integration.hf.attach`) besides Kascade's own (:class:`kascade.Attention`):
+the dense baseline timed under CUDA graphs, and no attention at all (the share of time attention takes)."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-
 import torch
 
-from .. import ops, reuse
-from ..ops import Selection, Step
-from ..plan import KascadePlan
-from .tensor_parallel import gather_heads
-
-
-@dataclass
-class ForwardState:
-    """One forward pass: its step plan, the (sub-)plan serving it, and the anchors' selections so far."""
-
-    step: Step
-    plan: KascadePlan
-    selections: dict[int, Selection] = field(default_factory=dict)
-
-
-class KascadeRuntime:
-    """Computes every layer's attention for one enabled model according to its plan.
-
-    ``backend``: "reference" (the PyTorch specification) or "triton" (the kernels of :mod:`kascade.ops.triton`); see
-    :func:`kascade.integration.hf.resolve_backend`. ``selector`` (default: Kascade's exact pooled top-k,
-    :func:`kascade.ops.select`) is what an anchor layer calls to choose its keys, as ``selector(q, k, scale=...,
-    step=...)``; the evaluation baselines (StreamingLLM, Quest, ...) swap it and keep everything else, so every
-    strategy runs through the same sparse attention. With ``account=True`` the runtime sums, per layer, the keys
-    actually attended and the keys dense attention would attend (``self.attended``: layer -> [attended, dense]).
-    """
-
-    def __init__(self, plan: KascadePlan, backend: str = "reference", selector=None, account: bool = False,
-                 shard=None, exchange: bool = False):
-        if backend not in ops.BACKENDS:
-            raise ValueError(f"KascadeRuntime takes backend 'reference' or 'triton' (resolve 'auto' with "
-                             f"resolve_backend), got {backend!r}")
-        plans = (plan, *(p for _, p in plan.by_length))
-        if selector is not None and any(p.ranked for p in plans):
-            raise ValueError("a plan with a ranked reuse rule (per-layer budgets, sources, sinks + recent) selects "
-                             "with its own ranking; pass selector=None")
-        self.plan = plan
-        self.backend = backend
-        self.selector = selector
-        self.account = account
-        # Tensor parallelism (kascade.integration.tensor_parallel): this rank's KV heads, and whether the anchors'
-        # selections are exchanged between ranks (else the plan must be shard-local).
-        self.shard, self.exchange = shard, exchange
-        self.heads = reuse.Heads(shard, gathered=exchange)
-        self.attended: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
-        # What needs each sequence's geometry on the host (a static-cache decode step then reads it back once):
-        # a custom selector, accounting, merged reuse rules and the choice of a sub-plan by length.
-        self.host_geometry = (selector is not None or account or bool(plan.by_length)
-                              or any(p.reuse.sources is not None or p.reuse.recent for p in plans))
-
-    # -- per forward -------------------------------------------------------------------------------------------
-    def begin(self, q, k, kv_start, q_offset) -> ForwardState:
-        """Plan the forward whose layer 0 receives ``q``, ``k`` (``kv_start`` / ``q_offset``: host values, or device
-        tensors in a static-cache decode step)."""
-        if self.host_geometry and isinstance(q_offset, torch.Tensor):
-            q_offset = int(q_offset)
-            kv_start = None if kv_start is None else kv_start.cpu()
-        step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset,
-                             backend=self.backend)
-        plan = self.plan.for_length(step.longest) if self.plan.by_length else self.plan
-        return ForwardState(step=step, plan=plan)
-
-    def attend(self, layer: int, q, k, v, fs: ForwardState, scale) -> torch.Tensor:
-        """``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` of ``layer`` in the forward ``fs`` -> ``[B, HQ, L, D]``."""
-        plan, step, sels = fs.plan, fs.step, fs.selections
-        for a in [a for a in sels if plan.last_reader(a) < layer]:
-            del sels[a]  # no later layer reads it: free it before this layer allocates its own
-        if plan.is_anchor(layer):
-            depth = plan.depth(layer) if plan.ranked else None
-            if layer == 0:
-                if self.selector is None:
-                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
-                else:
-                    out = ops.dense_attention(q, k, v, scale=scale, step=step)
-                    sel = self.selector(q, k, scale=scale, step=step)
-                sels[0] = gather_heads(sel, self.shard) if self.exchange else sel
-                if self.account:
-                    self._count(layer, None, step)
-                return out
-            if self.selector is None:
-                sel = ops.select(q, k, scale=scale, step=step, depth=depth)
-            else:
-                sel = self.selector(q, k, scale=scale, step=step)
-            sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
-        keys = reuse.layer_selection(plan, layer, sels, step, self.heads)
-        if self.account:
-            self._count(layer, keys, step)
-        return ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
-
-    def _count(self, layer: int, sel: Selection | None, step: Step) -> None:
-        att, dense = ops.attended_keys(sel, kv_start=step.kv_start, q_offset=step.q_offset, L=step.queries,
-                                       num_kv_heads=step.kv_heads)
-        with self._lock:
-            tot = self.attended.setdefault(layer, [0, 0])
-            tot[0] += att
-            tot[1] += dense
+from .. import ops
+from ..attention import ForwardState
 
 
 class DenseRuntime:

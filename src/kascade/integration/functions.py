@@ -1,41 +1,30 @@
 """What transformers calls: Kascade's mask function and attention function, registered under ``"kascade"``.
 
 Per forward pass (one prefill or one decode step) the mask function reads the key geometry from the padding mask
-(:class:`KeyMask`) once, before any layer runs; the attention function hands each layer to the runtime attached to
-its module (:func:`kascade.integration.hf.attach`), which plans the step at layer 0 and keeps the forward's state
-on that mask object, so that every later layer of the forward, and no other forward, sees it.
+once, before any layer runs, into a :class:`KeyMask` (a :class:`kascade.Forward`); the attention function hands each
+layer to the runtime attached to its module (:func:`kascade.integration.hf.attach`, usually a
+:class:`kascade.Attention`), which plans the pass at layer 0 and keeps its state on that object, so that every later
+layer of the pass, and no other pass, sees it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from ..attention import Forward
 
 ATTN_NAME = "kascade"
 
 
-@dataclass(eq=False)
-class KeyMask:
-    """What Kascade's mask function hands to every attention layer of one forward instead of a 4-D mask.
+class KeyMask(Forward):
+    """The :class:`kascade.Forward` that Kascade's mask function hands to every attention layer of one forward pass
+    instead of a 4-D mask (made from the padding mask, once per pass).
 
-    kv_start: ``[B]`` int64 on the host, each sequence's first valid key slot (left padding before it); in a decode
-              step over a static cache a ``[B]`` tensor on the device, or None (no padding).
-    q_offset: key slot of the first query of this call; in a decode step over a static cache a 0-d tensor on the
-              device (so the step needs no host synchronisation and can be captured in a CUDA graph).
-    state:    the forward's state, made by the runtime at layer 0 and read by every later layer (one per forward:
-              concurrent forwards on one model each have their own mask object).
+    ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
+    ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
+    Saying ndim 4 is that signal: the mask function receives it back and hands on its geometry.
     """
 
-    kv_start: torch.Tensor | None
-    q_offset: int | torch.Tensor
-    state: object = None
-    begun: bool = False
-    refused: str | None = None  # why a layer given this mask cannot run (a mask pattern Kascade does not serve)
-
-    # ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
-    # ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
-    # Saying ndim 4 is not claimed: the mask function receives it back and hands on its geometry.
     ndim = 4
 
 
@@ -82,23 +71,6 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     return KeyMask(kv_start=kv_start, q_offset=q_slot)
 
 
-def forward_state(runtime, layer: int, q, k, mask):
-    """The forward's state for ``layer``: made by ``runtime.begin`` at layer 0 and kept on the forward's mask."""
-    if not isinstance(mask, KeyMask):
-        raise ValueError(
-            f"Kascade got an attention mask it did not make ({type(mask).__name__}"
-            f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}); pass a 2-D padding "
-            "mask (attention_mask=[B, N] of 0/1) and let the model build the rest"
-        )
-    if mask.refused:
-        raise ValueError(mask.refused)
-    if layer == 0:
-        mask.state, mask.begun = runtime.begin(q, k, mask.kv_start, mask.q_offset), True
-    elif not mask.begun:
-        raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
-    return mask.state
-
-
 def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered in transformers' ``AttentionInterface`` under ``"kascade"``."""
     runtime = getattr(module, "_kascade_runtime", None)
@@ -116,8 +88,14 @@ def kascade_attention_forward(module, query, key, value, attention_mask, scaling
     if module.training:
         raise ValueError("Kascade is for inference: this model is in training mode (call model.eval(); gradient "
                          "checkpointing and training are not supported)")
+    if not isinstance(attention_mask, KeyMask):
+        raise ValueError(
+            f"Kascade got an attention mask it did not make ({type(attention_mask).__name__}"
+            f"{' of shape ' + str(tuple(attention_mask.shape)) if isinstance(attention_mask, torch.Tensor) else ''}); "
+            "pass a 2-D padding mask (attention_mask=[B, N] of 0/1) and let the model build the rest")
     layer = module.layer_idx
-    out = runtime.attend(layer, query, key, value, forward_state(runtime, layer, query, key, attention_mask), scaling)
+    state = attention_mask.state_for(runtime, layer, query, key)
+    out = runtime.attend(layer, query, key, value, state, scaling)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         out = _NoBackward.apply(out, query, key, value)
     return out.transpose(1, 2).contiguous(), None

@@ -1,4 +1,4 @@
-"""Kascade under transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
+"""Kascade under tensor parallelism (transformers' ``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
 
 Each rank holds a contiguous slice of the query and KV heads (q / k / v projections sharded by rows): its attention
 layers see only those heads, and Kascade runs every layer on them. A plan stays global (one file for any size); a
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops import Selection
+from .ops import Selection
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""Kascade attention for a model's layers: the API for people who write their own models, and what the
+transformers integration runs on.
+
+    attn = kascade.Attention(plan)                              # once per model
+    for every forward pass (a prefill, a chunk of one, or one decode step):
+        fwd = kascade.Forward(kv_start=..., q_offset=...)       # its key geometry (defaults: no padding, new keys last)
+        for every layer:  out = attn(layer, q, k, v, fwd)       # q [B, HQ, L, D], k, v [B, H, N, D] (the whole cache)
+
+Layer 0 of a pass plans it once (:func:`kascade.ops.plan_step`: key geometry, decode metadata, budgets) and keeps
+that, with the anchors' selections, in the pass's :class:`Forward`, which belongs to that pass alone (concurrent
+passes never share one). Every layer is then one of three kinds:
+
+- layer 0: dense output and its selection (one pass where the backend fuses them);
+- anchor:  its own selection, then sparse attention over it;
+- reuse:   the keys its plan's reuse rule takes from the anchors' selections (:mod:`kascade.reuse`), then sparse
+           attention over them.
+
+A decode step over a static cache may give ``q_offset`` as a 0-d tensor on the device (and ``kv_start`` as a device
+tensor): with the Triton backend the step then reads nothing back to the host and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops, reuse
+from .ops import Selection, Step
+from .tensor_parallel import gather_heads
+from .plan import KascadePlan
+
+
+@dataclass(eq=False)
+class Forward:
+    """One forward pass through the layers: the key geometry every layer shares, and what its layers share.
+
+    kv_start: ``[B]`` each sequence's first valid key slot (left padding before it; default: none), on the host, or
+              on the device in a static-cache decode step.
+    q_offset: key slot of the first query (default: the last ``L`` slots hold the new queries); a 0-d device tensor
+              in a static-cache decode step.
+    refused:  why no layer can run in this pass (the transformers integration's mask kinds Kascade does not serve).
+    state:    made by the runtime at layer 0, read by every later layer.
+    """
+
+    kv_start: object = None
+    q_offset: object = None
+    refused: str | None = None
+    state: object = None
+    begun: bool = False
+
+    def state_for(self, runtime, layer: int, q, k):
+        """The pass's state for ``layer``: ``runtime.begin`` makes it at layer 0."""
+        if self.refused:
+            raise ValueError(self.refused)
+        if layer == 0:
+            self.state, self.begun = runtime.begin(q, k, self.kv_start, self.q_offset), True
+        elif not self.begun:
+            raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
+        return self.state
+
+
+@dataclass
+class ForwardState:
+    """One forward pass: its step plan, the (sub-)plan serving it, and the anchors' selections so far."""
+
+    step: Step
+    plan: KascadePlan
+    selections: dict[int, Selection] = field(default_factory=dict)
+
+
+class Attention:
+    """Kascade attention for every layer of one model, by its plan: ``attn(layer, q, k, v, fwd)``.
+
+    ``backend``: "auto" (the Triton kernels on CUDA when they serve the tensors' dtype and shapes, else the
+    reference; decided once per forward pass, from layer 0's tensors), "reference" (the PyTorch specification) or
+    "triton" (the kernels of :mod:`kascade.ops.triton`; an error where they cannot run). ``selector`` (default: Kascade's exact pooled top-k,
+    :func:`kascade.ops.select`) is what an anchor layer calls to choose its keys, as ``selector(q, k, scale=...,
+    step=...)``; the evaluation baselines (StreamingLLM, Quest, ...) swap it and keep everything else, so every
+    strategy runs through the same sparse attention. With ``account=True`` the runtime sums, per layer, the keys
+    actually attended and the keys dense attention would attend (``self.attended``: layer -> [attended, dense]).
+    """
+
+    def __init__(self, plan: KascadePlan, backend: str = "auto", *, selector=None, account: bool = False,
+                 shard=None, exchange: bool = False):
+        if not isinstance(plan, KascadePlan):
+            raise TypeError(f"plan must be a kascade.KascadePlan, got {type(plan).__name__}")
+        if backend not in ("auto", *ops.BACKENDS):
+            raise ValueError(f"unknown backend {backend!r}; choose one of {('auto', *ops.BACKENDS)}")
+        if exchange and shard is None:
+            raise ValueError("exchange=True exchanges selections between tensor-parallel ranks: give their shard")
+        plans = (plan, *(p for _, p in plan.by_length))
+        if selector is not None and any(p.ranked for p in plans):
+            raise ValueError("a plan with a ranked reuse rule (per-layer budgets, sources, sinks + recent) selects "
+                             "with its own ranking; pass selector=None")
+        self.plan = plan
+        self.backend = backend
+        self.selector = selector
+        self.account = account
+        # Tensor parallelism (kascade.tensor_parallel): this rank's KV heads, and whether the anchors'
+        # selections are exchanged between ranks (else the plan must be shard-local).
+        self.shard, self.exchange = shard, exchange
+        self.heads = reuse.Heads(shard, gathered=exchange)
+        self.attended: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+        # What needs each sequence's geometry on the host (a static-cache decode step then reads it back once):
+        # a custom selector, accounting, merged reuse rules and the choice of a sub-plan by length.
+        self.host_geometry = (selector is not None or account or bool(plan.by_length)
+                              or any(p.reuse.sources is not None or p.reuse.recent for p in plans))
+
+    # -- per forward -------------------------------------------------------------------------------------------
+    def begin(self, q, k, kv_start, q_offset) -> ForwardState:
+        """Plan the forward whose layer 0 receives ``q``, ``k`` (``kv_start`` / ``q_offset``: host values, or device
+        tensors in a static-cache decode step)."""
+        if self.host_geometry and isinstance(q_offset, torch.Tensor):
+            q_offset = int(q_offset)
+            kv_start = None if kv_start is None else kv_start.cpu()
+        backend = self.backend
+        if backend == "auto":
+            why = ops.triton_unavailable_reason(q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+            backend = "triton" if why is None and q.device.type == "cuda" else "reference"
+        step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
+        plan = self.plan.for_length(step.longest) if self.plan.by_length else self.plan
+        return ForwardState(step=step, plan=plan)
+
+    def __call__(self, layer: int, q, k, v, fwd: "Forward", scale: float | None = None) -> torch.Tensor:
+        """Layer ``layer``'s attention in the forward pass ``fwd``: ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` ->
+        ``[B, HQ, L, D]``; ``scale`` defaults to ``D ** -0.5``. Layer 0 runs first in every pass."""
+        return self.attend(layer, q, k, v, fwd.state_for(self, layer, q, k), scale)
+
+    def attend(self, layer: int, q, k, v, fs: ForwardState, scale) -> torch.Tensor:
+        """:meth:`__call__` given the pass's state (the protocol of every runtime :func:`kascade.integration.hf.
+        attach` takes, with :meth:`begin`)."""
+        plan, step, sels = fs.plan, fs.step, fs.selections
+        for a in [a for a in sels if plan.last_reader(a) < layer]:
+            del sels[a]  # no later layer reads it: free it before this layer allocates its own
+        if plan.is_anchor(layer):
+            depth = plan.depth(layer) if plan.ranked else None
+            if layer == 0:
+                if self.selector is None:
+                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
+                else:
+                    out = ops.dense_attention(q, k, v, scale=scale, step=step)
+                    sel = self.selector(q, k, scale=scale, step=step)
+                sels[0] = gather_heads(sel, self.shard) if self.exchange else sel
+                if self.account:
+                    self._count(layer, None, step)
+                return out
+            if self.selector is None:
+                sel = ops.select(q, k, scale=scale, step=step, depth=depth)
+            else:
+                sel = self.selector(q, k, scale=scale, step=step)
+            sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
+        keys = reuse.layer_selection(plan, layer, sels, step, self.heads)
+        if self.account:
+            self._count(layer, keys, step)
+        return ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
+
+    def _count(self, layer: int, sel: Selection | None, step: Step) -> None:
+        att, dense = ops.attended_keys(sel, kv_start=step.kv_start, q_offset=step.q_offset, L=step.queries,
+                                       num_kv_heads=step.kv_heads)
+        with self._lock:
+            tot = self.attended.setdefault(layer, [0, 0])
+            tot[0] += att
+            tot[1] += dense
