@@ -143,8 +143,19 @@ def record(args) -> None:
     import kascade
     from kascade import text
 
-    model, tok = kascade.load_model(args.model, device=args.device, dtype=torch.float32)
-    wins = text.windows(tok, "eval", PREFILL + DECODE_STEPS, 2, seed=0)
+    if args.model == "random":  # the default model's shapes (its shipped plans apply), random weights and tokens
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0)
+        model = LlamaForCausalLM(cfg).to(args.device).eval()
+        g = torch.Generator().manual_seed(0)
+        wins = [torch.randint(3, 49152, (PREFILL + DECODE_STEPS,), generator=g) for _ in range(2)]
+    else:
+        model, tok = kascade.load_model(args.model, device=args.device, dtype=torch.float32)
+        wins = text.windows(tok, "eval", PREFILL + DECODE_STEPS, 2, seed=0)
     ids, ids_short = wins[0][None], wins[1][None, :SHORT]
     result = {}
     for dtype in args.dtypes:
@@ -198,7 +209,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("record", help="run every plan on the fixed inputs and save digests")
     r.add_argument("--out", required=True)
     r.add_argument("--device", default="cpu")
-    r.add_argument("--model", default=None, help="the default model's GGUF file (default: the installed one)")
+    r.add_argument("--model", default=None, help="the default model's GGUF file (default: the installed one), or "
+                   "'random': its shapes with random weights and tokens")
     r.add_argument("--dtypes", nargs="+", default=["fp32"], choices=("fp32", "bf16"))
     r.add_argument("--backend", default="reference", choices=("reference", "triton", "auto"))
     r.add_argument("--only", nargs="*", default=None, help="record only these plans")
