@@ -3,9 +3,7 @@
 A plan is made once per model (by calibration, or the uncalibrated uniform default), saved as JSON, and checked
 against the model it is enabled on through a fingerprint of the attention shapes.
 
-JSON formats: ``kascade-plan/3`` is written; ``kascade-plan/1`` (anchors, head map, budget) and ``kascade-plan/2``
-(the reuse-rule fields at the top level) still load. Files are parsed strictly: an integer field holds an integer, a
-boolean field ``true`` or ``false``, and an error names the field and the value it found.
+The JSON form is :mod:`kascade.plan_json`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from .budget import Budget
+from .reuse import Reuse
 
 
 def _is_int(x) -> bool:
@@ -87,77 +86,6 @@ class ModelFingerprint:
 
 
 @dataclass(frozen=True)
-class Reuse:
-    """How the reuse layers of a plan build their key sets from the anchors' selections (:mod:`kascade.reuse`).
-
-    The default is the paper's rule: KV head ``h`` of a reuse layer attends the set that head ``head_map[l][h]`` of
-    the nearest anchor below chose, at the plan's budget. Each field changes one thing:
-
-    scale:   per layer, a multiplier of the row budget (layer 0, dense, keeps 1.0): the layer attends the first
-             ``round(scale * c)`` keys of its source's ranking (``c`` the row's budget). Anchors then rank their
-             keys as deep as the largest scale among the layers they serve (:meth:`KascadePlan.depth`).
-    sources: per layer, per KV head, the ``(anchor layer, anchor KV head)`` pairs whose rankings the head reuses
-             (one: follow that head, which may belong to any earlier anchor; two: their union, merged rank by
-             rank). Anchor layers list themselves. When set it replaces the head map for reuse layers.
-    sinks, recent: a reuse row keeps the first ``sinks`` keys plus the most recent keys, ``recent`` of its budget
-             in all (sinks included), and fills the rest from its sources' rankings.
-
-    A plan with any field set is *ranked*: its anchors keep their keys in rank order (descending pooled
-    probability) instead of as a set.
-    """
-
-    scale: tuple[float, ...] | None = None
-    sources: tuple | None = None
-    sinks: int = 0
-    recent: float = 0.0
-
-    def __post_init__(self):
-        if self.scale is not None:
-            if isinstance(self.scale, (str, bytes)) or not hasattr(self.scale, "__iter__"):
-                raise TypeError(f"reuse scale must be a sequence of numbers, got {self.scale!r}")
-            bad = [x for x in self.scale if not _is_number(x)]
-            if bad:
-                raise TypeError(f"reuse scale must hold numbers, got {bad[0]!r}")
-            object.__setattr__(self, "scale", tuple(float(x) for x in self.scale))
-            if not all(math.isfinite(x) and x > 0 for x in self.scale):
-                raise ValueError(f"reuse scale entries must be finite and > 0, got {list(self.scale)}")
-        if self.sources is not None:
-            try:
-                src = tuple(tuple(tuple(_ints("a source pair", pair) for pair in head) for head in row)
-                            for row in self.sources)
-            except TypeError as e:
-                raise TypeError(f"reuse sources must be [layer][head][(anchor layer, anchor head), ...]: {e}") from None
-            for row in src:
-                for head in row:
-                    if any(len(p) != 2 for p in head):
-                        raise ValueError(f"reuse sources must name (anchor layer, anchor head) pairs, got {head}")
-            object.__setattr__(self, "sources", src)
-        if not _is_int(self.sinks) or self.sinks < 0:
-            raise ValueError(f"reuse sinks must be an integer >= 0, got {self.sinks!r}")
-        if not _is_number(self.recent) or not 0.0 <= self.recent <= 1.0:
-            raise ValueError(f"reuse recent must be a number in [0, 1], got {self.recent!r}")
-        if self.sinks and not self.recent:
-            raise ValueError("reuse sinks > 0 needs recent > 0: the sinks are counted inside the recent share of "
-                             "the budget")
-
-    @property
-    def ranked(self) -> bool:
-        """Whether any field departs from the paper's rule (anchors then keep rank order)."""
-        return self.scale is not None or self.sources is not None or self.recent > 0
-
-    def to_dict(self) -> dict:
-        """The fields that are set, JSON-ready (empty for the paper's rule)."""
-        d = {}
-        if self.scale is not None:
-            d["scale"] = list(self.scale)
-        if self.sources is not None:
-            d["sources"] = [[[list(p) for p in head] for head in row] for row in self.sources]
-        if self.recent:
-            d["sinks"], d["recent"] = self.sinks, self.recent
-        return d
-
-
-@dataclass(frozen=True)
 class KascadePlan:
     """Anchors, head map and budget for one model.
 
@@ -200,7 +128,7 @@ class KascadePlan:
         if not isinstance(self.source, str):
             raise TypeError(f"source must be a string, got {self.source!r}")
         if not isinstance(self.reuse, Reuse):
-            raise TypeError(f"reuse must be a kascade.plan.Reuse, got {type(self.reuse).__name__}")
+            raise TypeError(f"reuse must be a kascade.reuse.Reuse, got {type(self.reuse).__name__}")
         fp = self.fingerprint
         n, H = fp.num_layers, fp.num_kv_heads
         a = self.anchors
@@ -425,22 +353,18 @@ class KascadePlan:
 
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-ready dict in format ``kascade-plan/3`` (``reuse`` and ``by_length`` only when set)."""
-        d = {"format": FORMAT, "fingerprint": dataclasses.asdict(self.fingerprint), "anchors": list(self.anchors),
-             "head_map": [list(r) for r in self.head_map], "ratio": self.ratio, "k_min": self.k_min,
-             "tile": self.tile, "rolling": self.rolling, "calibrated": self.calibrated, "source": self.source}
-        if self.reuse.ranked:
-            d["reuse"] = self.reuse.to_dict()
-        if self.by_length:
-            d["by_length"] = [dict(max_n=m, plan=p.to_dict()) for m, p in self.by_length]
-        if self.tensor_parallel is not None:
-            d["tensor_parallel"] = self.tensor_parallel
-        return d
+        """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan_json`)."""
+        from .plan_json import to_dict
+
+        return to_dict(self)
 
     @classmethod
     def from_dict(cls, d) -> "KascadePlan":
-        """A plan from its JSON form (any of :data:`FORMATS`), checked strictly; ValueError naming the field."""
-        return _parse(d, "plan")
+        """A plan from its JSON form (any format :mod:`kascade.plan_json` reads), checked strictly; ValueError naming
+        the field."""
+        from .plan_json import from_dict
+
+        return from_dict(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -462,115 +386,6 @@ class KascadePlan:
         if not path.is_file():
             raise ValueError(f"no plan file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
         return cls.from_json(path.read_text())
-
-
-FORMAT = "kascade-plan/3"
-FORMATS = ("kascade-plan/1", "kascade-plan/2", FORMAT)
-_V2_REUSE = {"sources": "sources", "layer_scale": "scale", "sinks": "sinks", "recent": "recent"}
-_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "calibrated", "source"}
-
-
-class _Field:
-    """Strict reading of one JSON value: ``where`` names it in errors (``plan.anchors[2]``)."""
-
-    @staticmethod
-    def fail(where, want, value):
-        raise ValueError(f"malformed Kascade plan: {where} must be {want}, got {value!r}")
-
-    @classmethod
-    def int(cls, where, v):
-        if not _is_int(v):
-            cls.fail(where, "an integer", v)
-        return int(v)
-
-    @classmethod
-    def number(cls, where, v):
-        if not _is_number(v):
-            cls.fail(where, "a number", v)
-        return float(v) if not _is_int(v) else v
-
-    @classmethod
-    def bool(cls, where, v):
-        if not isinstance(v, bool):
-            cls.fail(where, "true or false", v)
-        return v
-
-    @classmethod
-    def str(cls, where, v):
-        if not isinstance(v, str):
-            cls.fail(where, "a string", v)
-        return v
-
-    @classmethod
-    def list(cls, where, v):
-        if not isinstance(v, list):
-            cls.fail(where, "a list", v)
-        return v
-
-    @classmethod
-    def obj(cls, where, v, keys, required=()):
-        if not isinstance(v, dict):
-            cls.fail(where, "a JSON object", v)
-        unknown = sorted(set(v) - set(keys))
-        if unknown:
-            raise ValueError(f"malformed Kascade plan: {where} has unknown field(s) {unknown}")
-        missing = [k for k in required if k not in v]
-        if missing:
-            raise ValueError(f"malformed Kascade plan: {where} lacks field(s) {missing}")
-        return v
-
-
-def _parse(d, where: str) -> KascadePlan:
-    F = _Field
-    if not isinstance(d, dict):
-        raise ValueError(f"not a Kascade plan: {where} must be a JSON object, got {type(d).__name__} {d!r:.60}")
-    fmt = d.get("format")
-    if fmt not in FORMATS:
-        raise ValueError(f"not a Kascade plan ({where}.format is {fmt!r}, expected one of {list(FORMATS)})")
-    keys = {"format", *_BASE_FIELDS}
-    keys |= {"reuse", "by_length", "tensor_parallel"} if fmt == FORMAT else set(_V2_REUSE) | {"by_length"} if fmt != FORMATS[0] else set()
-    F.obj(where, d, keys, required=("fingerprint", "anchors", "head_map"))
-    fpd = F.obj(f"{where}.fingerprint", d["fingerprint"],
-                ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"),
-                required=("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"))
-    fp = dict(architecture=F.str(f"{where}.fingerprint.architecture", fpd["architecture"]),
-              **{k: F.int(f"{where}.fingerprint.{k}", fpd[k]) for k in ("num_layers", "num_q_heads", "num_kv_heads",
-                                                                        "head_dim")})
-    anchors = [F.int(f"{where}.anchors[{i}]", a) for i, a in enumerate(F.list(f"{where}.anchors", d["anchors"]))]
-    head_map = [[F.int(f"{where}.head_map[{l}][{h}]", x) for h, x in enumerate(F.list(f"{where}.head_map[{l}]", row))]
-                for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
-    kw = {}
-    for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
-                       ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
-        if name in d:
-            kw[name] = read(f"{where}.{name}", d[name])
-    if fmt == FORMAT:
-        r = F.obj(f"{where}.reuse", d.get("reuse", {}), ("scale", "sources", "sinks", "recent"))
-    else:
-        r = {_V2_REUSE[k]: d[k] for k in _V2_REUSE if k in d}
-    reuse = {}
-    if "scale" in r:
-        reuse["scale"] = [F.number(f"{where}.reuse.scale[{i}]", x) for i, x in
-                          enumerate(F.list(f"{where}.reuse.scale", r["scale"]))]
-    if "sources" in r:
-        reuse["sources"] = [
-            [[[F.int(f"{where}.reuse.sources[{l}][{h}][{j}]", x) for x in F.list(f"{where}.reuse.sources[{l}][{h}][{j}]", p)]
-              for j, p in enumerate(F.list(f"{where}.reuse.sources[{l}][{h}]", head))]
-             for h, head in enumerate(F.list(f"{where}.reuse.sources[{l}]", row))]
-            for l, row in enumerate(F.list(f"{where}.reuse.sources", r["sources"]))]
-    if "sinks" in r:
-        reuse["sinks"] = F.int(f"{where}.reuse.sinks", r["sinks"])
-    if "recent" in r:
-        reuse["recent"] = F.number(f"{where}.reuse.recent", r["recent"])
-    by_length = []
-    for i, e in enumerate(F.list(f"{where}.by_length", d.get("by_length", []))):
-        e = F.obj(f"{where}.by_length[{i}]", e, ("max_n", "plan"), required=("max_n", "plan"))
-        by_length.append((F.int(f"{where}.by_length[{i}].max_n", e["max_n"]), _parse(e["plan"], f"{where}.by_length[{i}].plan")))
-    try:
-        return KascadePlan(ModelFingerprint(**fp), tuple(anchors), tuple(map(tuple, head_map)), reuse=Reuse(**reuse),
-                           by_length=tuple(by_length), **kw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"malformed Kascade plan ({where}): {e}") from None
 
 
 # Shipped plans: ``plans/<model>.json`` is the default; ``plans/<variant>/<model>.json`` are the alternatives a user
