@@ -1,4 +1,4 @@
-# GPU mode of the Triton kernel tests (compiled kernels on CUDA tensors, larger shapes; the default is the CPU):
+# GPU mode of the Triton kernel tests (compiled on CUDA tensors, shapes and fuzz cases x4; add -n 16 with xdist):
 #   KASCADE_TEST_DEVICE=cuda python3 -m pytest tests/ops/test_triton_*.py tests/integration/test_hf_triton.py
 import os
 import pathlib

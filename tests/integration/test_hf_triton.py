@@ -1,8 +1,6 @@
-"""kascade.enable(backend="triton") on a tiny model, the kernels run by the Triton interpreter on the CPU."""
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
+"""kascade.enable(backend="triton") on a tiny model, on the test device: the kernels run by the Triton interpreter
+on the CPU, or compiled on CUDA with KASCADE_TEST_DEVICE=cuda (tests/conftest.py; prompts then grow with the size
+scale). Model and inputs reach the device through kernel_checks.dev."""
 
 import pytest
 import torch
@@ -12,12 +10,18 @@ pytest.importorskip("triton", reason="triton is not installed")
 import kascade  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint  # noqa: E402
+from kernel_checks import dev, sized  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Kascade is using an uncalibrated plan")
 
 
+def _ids(B, P, seed):
+    """Random prompts ``[B, P]`` on the test device."""
+    return dev(torch.randint(3, 97, (B, P), generator=torch.Generator().manual_seed(seed)))
+
+
 def _model_and_plan():
-    model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16)
+    model = dev(tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16))
     fp = ModelFingerprint.from_model(model)
     # layer 2 follows anchor 1 through a non-identity head map; layer 3 is an anchor
     plan = KascadePlan(fp, (0, 1, 3), ((0, 1, 2), (0, 1, 2), (2, 0, 1), (0, 1, 2)), ratio=0.1, k_min=16, tile=16)
@@ -39,7 +43,7 @@ def _kernel_calls(monkeypatch):
 
 def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forward_states):
     model, plan = _model_and_plan()
-    ids = torch.randint(3, 97, (2, 75), generator=torch.Generator().manual_seed(1))
+    ids = _ids(2, sized(75), 1)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # left padding in the second sequence
     with torch.no_grad():
@@ -72,7 +76,7 @@ def test_triton_backend_refuses_what_it_cannot_run():
     model, plan = _model_and_plan()
     with pytest.raises(ValueError, match="cannot use backend='triton'.*float64"):
         kascade.enable(model.to(torch.float64), plan, backend="triton")
-    odd = tiny_model("llama", head_dim=12)
+    odd = dev(tiny_model("llama", head_dim=12))
     with pytest.raises(ValueError, match="head dims"):
         kascade.enable(odd, backend="triton")
 
@@ -83,17 +87,18 @@ def test_static_cache_decode_steps_stay_on_the_device(forward_states):
     from kascade.integration.graphs import GraphDecoder
 
     model, plan = _model_and_plan()
-    ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(2))
+    P = sized(70)
+    ids = _ids(2, P, 2)
     with torch.no_grad(), kascade.enable(model, plan, backend="reference"):
-        ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, 70:]
+        ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, P:]
     forward_states.clear()
     with kascade.enable(model, plan, backend="triton"):
-        dec = GraphDecoder(model, batch_size=2, max_cache_len=80, use_graph=False)
+        dec = GraphDecoder(model, batch_size=2, max_cache_len=P + 10, use_graph=False)
         got = dec.generate(ids, max_new_tokens=4)
     assert torch.equal(got, ref)
     # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
     assert [fs.step.on_device for fs in forward_states] == [False, True, True, True]
-    assert all(fs.step.meta.n == (80, 80) for fs in forward_states[1:])  # launch bounds: the cache capacity
+    assert all(fs.step.meta.n == (P + 10, P + 10) for fs in forward_states[1:])  # launch bounds: the capacity
 
 
 def test_dense_runtime_is_the_dense_model():
@@ -101,13 +106,14 @@ def test_dense_runtime_is_the_dense_model():
     from kascade.integration.graphs import GraphDecoder, enable_dense
 
     model, _ = _model_and_plan()
-    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    P = sized(40)
+    ids = _ids(1, P, 3)
     with torch.no_grad():
         ref_logits = model(ids).logits
-        ref = model.generate(ids, max_new_tokens=3, do_sample=False)[:, 40:]
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False)[:, P:]
         with enable_dense(model):
             logits = model(ids).logits
-            got = GraphDecoder(model, batch_size=1, max_cache_len=48, use_graph=False).generate(ids, 3)
+            got = GraphDecoder(model, batch_size=1, max_cache_len=P + 8, use_graph=False).generate(ids, 3)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(got, ref)
 
@@ -117,14 +123,15 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
     prefixes of them; prefill, dynamic-cache decode and static-cache decode match the reference."""
     from kascade.integration.graphs import GraphDecoder
 
-    model = tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16, num_hidden_layers=5)
+    model = dev(tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16, num_hidden_layers=5))
     fp = ModelFingerprint.from_model(model)
     I = (0, 1, 2)
     # k_min 40 > tile: prefill rows keep min(s, 24) selected keys before scaling (with k_min = tile they keep none)
     plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=40, tile=16)
     plan = plan.with_reuse(scale=(1.0, 1.0, 1.6, 1.0, 0.5))
     assert plan.ranked and plan.depth(1) == 1.6
-    ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(4))
+    P = sized(90)
+    ids = _ids(2, P, 4)
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
     with torch.no_grad():
@@ -141,9 +148,10 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
             assert not h.runtime.host_geometry  # static-cache decode steps stay on the device
             got = model(ids, attention_mask=mask).logits
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-            static = GraphDecoder(model, batch_size=2, max_cache_len=96, use_graph=False).generate(ids[1:].expand(2, -1), 3)
+            static = GraphDecoder(model, batch_size=2, max_cache_len=P + 6, use_graph=False).generate(
+                ids[1:].expand(2, -1), 3)
         with kascade.enable(model, plan, backend="reference"):
-            ref_static = model.generate(ids[1:].expand(2, -1), max_new_tokens=3, do_sample=False)[:, 90:]
+            ref_static = model.generate(ids[1:].expand(2, -1), max_new_tokens=3, do_sample=False)[:, P:]
         # with account=True the prefix views are counted: the same keys as the reference attends
         counted = {}
         for backend in ("reference", "triton"):

@@ -1,15 +1,13 @@
-"""Triton decode kernels (kascade.ops.triton.decode) against the reference ops, under the Triton interpreter.
+"""Triton decode kernels (kascade.ops.triton.decode) against the reference ops, on the test device (the Triton
+interpreter on the CPU, or CUDA with KASCADE_TEST_DEVICE=cuda: tests/conftest.py).
 
 Every kernel runs on fresh random inputs at small, deliberately odd sizes, for each supported G and D, fp16 and
 bf16, contiguous and paged KV, with different lengths in one batch. Cache slots that no sequence may read (left
 padding, unused slots after the query, unused page space) hold NaN, and outputs start as NaN, so a stray read or
 an unwritten output cannot pass. Tolerance (STYLE.md): the error against the fp64 reference is at most twice the
-error of the reference's own result rounded to the low precision, plus a tiny atol.
+error of the reference's own result rounded to the low precision, plus a tiny atol. Inputs are drawn on the CPU,
+kernels run on the device (kernel_checks.dev), references on the CPU.
 """
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
 
 import pytest
 import torch
@@ -17,14 +15,16 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from kascade.budget import Budget  # noqa: E402
-from tolerance import assert_close_to_reference  # noqa: E402
-from kascade.ops import dense_attention, reference, select, sparse_attention  # noqa: E402
+from kernel_checks import (DEVICE, check_close, check_decode_selection, dev, host_selection, masters,  # noqa: E402
+                           nan_like, paged_cache, poison, pooled_decode_rows, sized)
+from kascade.ops import dense_attention, select, sparse_attention  # noqa: E402
 from kascade.ops.step import decode_meta  # noqa: E402
 from kascade.ops.triton import decode as td  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
 
 # (B, H, G, N, D, dtype, page, num_splits): every G in 1..16 that divides as in real models, each D, both dtypes,
-# paged and contiguous, splits chosen by the launcher (None), forced to one (no merge) or to many.
+# paged and contiguous, splits chosen by the launcher (None), forced to one (no merge) or to many. N grows with the
+# test device's size scale.
 CASES = [
     (3, 2, 1, 97, 64, torch.bfloat16, 0, None),
     (2, 1, 2, 301, 128, torch.float16, 16, None),
@@ -37,6 +37,7 @@ CASES = [
     (2, 2, 16, 75, 64, torch.float16, 256, None),
     (2, 1, 6, 333, 128, torch.float32, 32, None),
 ]
+CASES = [(B, H, G, sized(N), *rest) for B, H, G, N, *rest in CASES]
 
 
 def _id(c):
@@ -51,93 +52,23 @@ def _inputs(case, seed):
     """q, k, v (fp64 masters), kv_start (varied lengths) and q_offset (< N - 1: unused slots after the query)."""
     B, H, G, N, D, dt, page, _ = case
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H * G, 1, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, H, N, D, generator=g, dtype=torch.float64) * 1.5
-    v = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    q, k, v = masters(g, B, H, G, 1, N, D)
     q_offset = N - 1 - int(torch.randint(0, 4, (1,), generator=g))
     kv_start = torch.tensor([0] + [int(torch.randint(1, q_offset - 10, (1,), generator=g)) for _ in range(B - 1)])
     return q, k, v, kv_start, q_offset
 
 
-def _poison(x, kv_start, q_offset):
-    """Contiguous cache in the low precision, NaN in every slot outside [kv_start[b], q_offset]."""
-    x = x.clone()
-    for b in range(x.shape[0]):
-        x[b, :, : int(kv_start[b])] = float("nan")
-        x[b, :, q_offset + 1 :] = float("nan")
-    return x
-
-
-def _paged(x, kv_start, q_offset, page, g):
-    """Scatter the valid rows of a contiguous ``[B, H, N, D]`` cache into random pages of a NaN-filled
-    ``[num_pages, page, H, D]`` cache. Returns (cache, block_table [B, max_pages] int32, seq_lens [B])."""
-    B, H, N, D = x.shape
-    lens = [q_offset + 1 - int(s) for s in kv_start]
-    need = [-(-n // page) for n in lens]
-    total = sum(need) + 3  # spare pages stay NaN
-    perm = torch.randperm(total, generator=g)
-    cache = torch.full((total, page, H, D), float("nan"), dtype=x.dtype)
-    table = torch.full((B, max(need) + 2), total - 1, dtype=torch.int32)  # unused entries point at junk
-    used = 0
-    for b in range(B):
-        table[b, : need[b]] = perm[used : used + need[b]].to(torch.int32)
-        used += need[b]
-        for i in range(lens[b]):
-            cache[table[b, i // page], i % page] = x[b, :, int(kv_start[b]) + i]
-    return cache, table, torch.tensor(lens)
-
-
 def _layout(case, k, v, kv_start, q_offset, seed):
-    """The kernel-side K, V and layout arguments for this case."""
+    """The kernel-side K, V (on the device) and layout arguments for this case."""
     page = case[6]
     if not page:
-        return _poison(k, kv_start, q_offset), _poison(v, kv_start, q_offset), {"kv_start": kv_start, "q_offset": q_offset}
+        return (dev(poison(k, kv_start, q_offset + 1)), dev(poison(v, kv_start, q_offset + 1)),
+                {"kv_start": kv_start, "q_offset": q_offset})
     g = torch.Generator().manual_seed(seed)
-    kc, table, lens = _paged(k, kv_start, q_offset, page, g)
-    vc, table2, _ = _paged(v, kv_start, q_offset, page, torch.Generator().manual_seed(seed))
+    kc, table, lens = paged_cache(k, kv_start, q_offset + 1, page, g)
+    vc, table2, _ = paged_cache(v, kv_start, q_offset + 1, page, torch.Generator().manual_seed(seed))
     assert torch.equal(table, table2)
-    return kc, vc, {"block_table": table, "seq_lens": lens}
-
-
-def _nan_like(q):
-    return torch.full_like(q, float("nan"))
-
-
-def _pooled_reference(q, k, kv_start, q_offset, scale):
-    """Per sequence, the reference's pooled probabilities ``[H, n_b]`` (fp32 math on the low-precision inputs)."""
-    out = []
-    for b in range(q.shape[0]):
-        s = int(kv_start[b])
-        out.append(reference.pooled_decode(q[b].float(), k[b, :, s : q_offset + 1].float(), scale))
-    return out
-
-
-def _check_selection(sel, want, pooled, kv_start, q_offset, paged, what, rtol=1e-4):
-    """Same sets as the reference except where the reference's pooled scores tie the k-th largest within
-    rounding; count, order, range and -1 padding exact."""
-    assert sel.decode and sel.indices.dtype == torch.long
-    assert sel.indices.shape == want.indices.shape, f"{what}: shape {tuple(sel.indices.shape)}"
-    assert torch.equal(sel.row_start, torch.zeros_like(sel.row_start))
-    B, H = sel.indices.shape[:2]
-    for b in range(B):
-        start = int(kv_start[b])
-        n = q_offset + 1 - start
-        kb = BUDGET.decode(n)
-        for h in range(H):
-            row = sel.indices[b, h, 0]
-            assert bool((row[kb:] == -1).all()), f"{what}: seq {b} head {h}: padding is not -1"
-            got = row[:kb]
-            assert bool((got[1:] > got[:-1]).all()), f"{what}: seq {b} head {h}: not strictly ascending"
-            rel = got - (0 if paged else start)
-            assert int(rel.min()) >= 0 and int(rel.max()) < n, f"{what}: seq {b} head {h}: index out of range"
-            ref = want.indices[b, h, 0]
-            ref = set((ref[ref >= 0] - start).tolist())
-            diff = set(rel.tolist()) ^ ref
-            if diff:
-                p = pooled[b][h]
-                kth = p.topk(kb).values[-1]
-                gap = (p[sorted(diff)] - kth).abs().max()
-                assert gap <= rtol * kth, f"{what}: seq {b} head {h}: {len(diff)} keys differ, {gap:.3g} from the k-th"
+    return dev(kc), dev(vc), {"block_table": dev(table), "seq_lens": lens}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -148,14 +79,15 @@ def test_decode_kernels_match_reference(case):
     q, k, v = q64.to(dt), k64.to(dt), v64.to(dt)
     scale = D**-0.5
     kk, vv, lay = _layout(case, k, v, kv_start, q_offset, seed)
+    qd = dev(q)
     cfg = {} if S is None else {"num_splits": S}
     pos = {"kv_start": kv_start, "q_offset": q_offset, "backend": "reference"}
 
     # dense
     want = dense_attention(q.double(), k.double(), v.double(), **pos)
     lowp = dense_attention(q, k, v, **pos)
-    got = td.dense_decode(q, kk, vv, scale=scale, out=_nan_like(q), **lay, **cfg)
-    assert_close_to_reference(got, want, lowp, "dense")
+    got = td.dense_decode(qd, kk, vv, scale=scale, out=nan_like(qd), **lay, **cfg)
+    check_close(got, want, lowp, "dense")
 
     # sparse over the reference's selection (varied k_b: rows padded with -1)
     ref_sel = select(q, k, budget=BUDGET, **pos)
@@ -165,28 +97,31 @@ def test_decode_kernels_match_reference(case):
     if page:
         idx = torch.where(idx >= 0, idx - kv_start[:, None, None, None], -1)
     for idt in (torch.int32, torch.int64):
-        got = td.sparse_decode(q, kk, vv, idx.to(idt), scale=scale, out=_nan_like(q), **({"block_table": lay["block_table"]} if page else {}), **cfg)
-        assert_close_to_reference(got, want, lowp, f"sparse {idt}")
+        got = td.sparse_decode(qd, kk, vv, dev(idx.to(idt)), scale=scale, out=nan_like(qd),
+                               **({"block_table": lay["block_table"]} if page else {}), **cfg)
+        check_close(got, want, lowp, f"sparse {idt}")
 
     # selection, both methods, and the fused layer-0 / anchor paths
-    pooled = _pooled_reference(q, k, kv_start, q_offset, scale)
+    pooled = pooled_decode_rows(q, k, kv_start, q_offset, scale)
+    sel_kw = dict(pooled=pooled, kv_start=kv_start, q_offset=q_offset, budget=BUDGET, paged=bool(page))
     for method in ("radix", "topk"):
-        sel = td.select_decode(q, kk, budget=BUDGET, scale=scale, method=method, **lay, **cfg)
-        _check_selection(sel, ref_sel, pooled, kv_start, q_offset, bool(page), f"select/{method}")
+        sel = td.select_decode(qd, kk, budget=BUDGET, scale=scale, method=method, **lay, **cfg)
+        check_decode_selection(sel, ref_sel, what=f"select/{method}", **sel_kw)
 
     want_dense = dense_attention(q.double(), k.double(), v.double(), **pos)
-    out0, sel0 = td.dense_select_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay, **cfg)
-    assert_close_to_reference(out0, want_dense, dense_attention(q, k, v, **pos), "layer 0 output")
-    _check_selection(sel0, ref_sel, pooled, kv_start, q_offset, bool(page), "layer 0 selection")
+    out0, sel0 = td.dense_select_decode(qd, kk, vv, budget=BUDGET, scale=scale, out=nan_like(qd), **lay, **cfg)
+    check_close(out0, want_dense, dense_attention(q, k, v, **pos), "layer 0 output")
+    check_decode_selection(sel0, ref_sel, what="layer 0 selection", **sel_kw)
 
-    out_a, sel_a = td.anchor_decode(q, kk, vv, budget=BUDGET, scale=scale, out=_nan_like(q), **lay)
-    _check_selection(sel_a, ref_sel, pooled, kv_start, q_offset, bool(page), "anchor selection")
+    out_a, sel_a = td.anchor_decode(qd, kk, vv, budget=BUDGET, scale=scale, out=nan_like(qd), **lay)
+    check_decode_selection(sel_a, ref_sel, what="anchor selection", **sel_kw)
+    sel_a = host_selection(sel_a)
     # the anchor's output over its own selection, which may differ from the reference's only at ties
     sel_abs = sel_a if not page else type(sel_a)(
         torch.where(sel_a.indices >= 0, sel_a.indices + kv_start[:, None, None, None], -1), sel_a.row_start,
         sel_a.tile, True)
     want = sparse_attention(q.double(), k.double(), v.double(), sel_abs, **pos)
-    assert_close_to_reference(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
+    check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
 def test_radix_selection_breaks_exact_ties_by_position():
@@ -195,7 +130,7 @@ def test_radix_selection_breaks_exact_ties_by_position():
     B, H, G, D = 2, 2, 3, 64
     n = [700, 333]
     g = torch.Generator().manual_seed(3)
-    meta = decode_meta(B, device="cpu", kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
+    meta = decode_meta(B, device=DEVICE, kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
     levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
     sc = levels[torch.randint(0, 4, (B, H * G, 700), generator=g)]
     sc[:, :, :] = sc[:, :1, :]  # every head of a group scores alike: pooled = G x one head's probabilities
@@ -205,8 +140,8 @@ def test_radix_selection_breaks_exact_ties_by_position():
         mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
     hist = torch.zeros(B * H, topk.NHIST, dtype=torch.int32)
-    indices = topk.select_rows(sc.contiguous(), mx.contiguous(), ls.contiguous(), hist, 1, meta, B, H, G,
-                               method="radix", chunk=64)
+    indices = topk.select_rows(dev(sc.contiguous()), dev(mx.contiguous()), dev(ls.contiguous()), dev(hist), 1, meta,
+                               B, H, G, method="radix", chunk=64).cpu()
     for b in range(B):
         kb = BUDGET.decode(n[b])
         s = sc[b, 0, : n[b]]
@@ -228,9 +163,11 @@ def test_selection_covers_large_rows_and_many_chunks():
     budget = Budget(ratio=0.1, k_min=128)
     scale = D**-0.5
     want = select(q, k, budget=budget, kv_start=kv_start, q_offset=N - 1)
-    pooled = _pooled_reference(q, k, kv_start, N - 1, scale)
+    pooled = pooled_decode_rows(q, k, kv_start, N - 1, scale)
     for method in ("radix", "topk"):
-        sel = td.select_decode(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=N - 1, method=method)
+        sel = td.select_decode(dev(q), dev(k), budget=budget, scale=scale, kv_start=kv_start, q_offset=N - 1,
+                               method=method)
+        sel = host_selection(sel)
         assert sel.indices.shape == want.indices.shape
         for b in range(B):
             kb = budget.decode(N - int(kv_start[b]))
@@ -255,16 +192,16 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
     kv_start = torch.tensor([0, 250])
     budget = Budget(ratio=0.1, k_min=16)
     scale = D**-0.5
-    pooled = _pooled_reference(q, k, kv_start, N - 1, scale)
+    pooled = pooled_decode_rows(q, k, kv_start, N - 1, scale)
     kw = dict(budget=budget, scale=scale, depth=1.7)
     if paged:
-        kp, bt, lens = _paged(k, kv_start, N - 1, 32, g)
-        kw.update(block_table=bt, seq_lens=lens)
+        kp, bt, lens = paged_cache(k, kv_start, N, 32, g)
+        kw.update(block_table=dev(bt), seq_lens=lens)
         kk = kp
     else:
         kw.update(kv_start=kv_start, q_offset=N - 1)
         kk = k
-    got = {m: td.select_decode(q, kk, method=m, **kw).indices for m in ("radix", "topk")}
+    got = {m: td.select_decode(dev(q), dev(kk), method=m, **kw).indices.cpu() for m in ("radix", "topk")}
     assert torch.equal(got["radix"], got["topk"])
     for b in range(B):
         n = N - int(kv_start[b])
@@ -291,6 +228,7 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
     v = torch.randn(B, H, N, D, generator=g)
     kv_start = torch.tensor([0, 100, 430])
     budget = Budget(ratio=0.1, k_min=16)
+    q, k, v = dev(q), dev(k), dev(v)
     step = plan_step(q, k, budget=budget, kv_start=kv_start, q_offset=N - 1, backend="triton")
     K = 90
     idx = torch.full((B, H, 1, K), -1, dtype=torch.long)
@@ -310,7 +248,7 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
         big = torch.iinfo(torch.long).max
         cut = torch.where(cut < 0, big, cut).sort(-1).values  # the documented input: ascending, -1 at the end
         cut = torch.where(cut == big, -1, cut)
-        got = td.sparse_decode(q, k, v, idx, scale=D**-0.5, counts=cnt)
-        ref = td.sparse_decode(q, k, v, cut, scale=D**-0.5)
+        got = td.sparse_decode(q, k, v, dev(idx), scale=D**-0.5, counts=cnt)
+        ref = td.sparse_decode(q, k, v, dev(cut), scale=D**-0.5)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        assert not torch.equal(got, td.sparse_decode(q, k, v, idx, scale=D**-0.5)), "the counts changed nothing"
+        assert not torch.equal(got, td.sparse_decode(q, k, v, dev(idx), scale=D**-0.5)), "the counts changed nothing"

@@ -1,8 +1,5 @@
-"""backend='triton' through the public ops: dispatch to the kernels (interpreter) and clear refusals."""
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
+"""backend='triton' through the public ops: dispatch to the kernels and clear refusals, on the test device (the
+Triton interpreter on the CPU, or CUDA with KASCADE_TEST_DEVICE=cuda: tests/conftest.py)."""
 
 import pytest
 import torch
@@ -10,16 +7,18 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from kascade.budget import Budget  # noqa: E402
-from tolerance import assert_close_to_reference  # noqa: E402
+from kernel_checks import check_close, dev, sized  # noqa: E402
 from kascade.ops import dense_attention, select, sparse_attention  # noqa: E402
 
 
 def _inputs(L, N, HQ=4, H=2, D=64, dtype=torch.bfloat16, seed=0):
+    """q, k, v on the test device."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g).to(dtype) for s in ((2, HQ, L, D), (2, H, N, D), (2, H, N, D))]
+    return [dev(torch.randn(*s, generator=g).to(dtype)) for s in ((2, HQ, L, D), (2, H, N, D), (2, H, N, D))]
 
 
-@pytest.mark.parametrize("L,N", [(1, 150), (70, 70), (33, 100)], ids=["decode", "prefill", "chunked"])
+@pytest.mark.parametrize("L,N", [(1, sized(150)), (sized(70), sized(70)), (sized(33), sized(100))],
+                         ids=["decode", "prefill", "chunked"])
 def test_public_ops_dispatch_to_triton(L, N, monkeypatch):
     from kascade.ops.triton import decode, prefill
 
@@ -39,7 +38,7 @@ def test_public_ops_dispatch_to_triton(L, N, monkeypatch):
                      ("sparse", lambda b: sparse_attention(q, k, v, ref_sel, backend=b, **kv))):
         exact = (dense_attention(q.double(), k.double(), v.double(), **kv) if name == "dense"
                  else sparse_attention(q.double(), k.double(), v.double(), ref_sel, **kv))
-        assert_close_to_reference(fn("triton"), exact, fn("reference"), name, floor=1e-5)
+        check_close(fn("triton"), exact, fn("reference"), name, floor=1e-5)
     assert len(set(calls)) == 3, calls  # the three Triton kernels ran, not the reference
 
 
@@ -57,7 +56,7 @@ def test_triton_refusals_name_the_problem():
 
 def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v = _inputs(1, 50)
+    q, k, v = (x.cpu() for x in _inputs(1, 50))  # CPU tensors in every test mode: their refusal is under test
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         dense_attention(q, k, v, backend="triton")
     from conftest import tiny_model

@@ -1,4 +1,5 @@
-"""Triton prefill kernels (kascade.ops.triton.prefill) against the reference ops, under the Triton interpreter.
+"""Triton prefill kernels (kascade.ops.triton.prefill) against the reference ops, on the test device (the Triton
+interpreter on the CPU, or CUDA with KASCADE_TEST_DEVICE=cuda: tests/conftest.py).
 
 Fresh random inputs at small, deliberately odd sizes: odd N, tiles that do not divide N, every G in 1..16 that
 real models use, D in {64, 128, 256}, T in {16, 32, 64}, fp16 and bf16, different lengths in one batch (left
@@ -6,12 +7,9 @@ padding), chunked prefill (q_offset > 0, first query mid-tile) and unused cache 
 that no sequence may read hold NaN and outputs start as NaN, so a stray read or an unwritten output cannot pass.
 Tolerance (STYLE.md): the error against the fp64 reference is at most twice the error of the reference's own
 result rounded to the low precision, plus a tiny atol. Selections are compared as sets; a difference passes only
-where the reference's pooled scores of the differing keys tie the tile's k-th largest within rounding.
+where the reference's pooled scores of the differing keys tie the tile's k-th largest within rounding. Inputs are
+drawn on the CPU, kernels run on the device (kernel_checks.dev), references on the CPU.
 """
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU tensors
 
 import pytest
 import torch
@@ -19,11 +17,13 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from kascade.budget import Budget  # noqa: E402
-from tolerance import assert_close_to_reference  # noqa: E402
+from kernel_checks import (check_close, check_lse, check_prefill_selection, dev, dev_selection,  # noqa: E402
+                           host_selection, masters, nan_like, poison, pooled_prefill_rows, sized)
 from kascade.ops import reference  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
 
-# (B, H, G, N, L, D, T, dtype, chunked): L < N - tail leaves a cached prefix (chunked prefill) when chunked.
+# (B, H, G, N, L, D, T, dtype, chunked): L < N - tail leaves a cached prefix (chunked prefill) when chunked. N and L
+# grow with the test device's size scale.
 CASES = [
     (2, 2, 1, 77, 77, 64, 16, torch.bfloat16, False),
     (2, 1, 2, 101, 57, 128, 32, torch.float16, True),
@@ -35,6 +35,7 @@ CASES = [
     (2, 1, 16, 80, 45, 64, 32, torch.float16, True),
     (1, 1, 5, 143, 143, 64, 64, torch.bfloat16, False),
 ]
+CASES = [(B, H, G, sized(N), sized(L), *rest) for B, H, G, N, L, *rest in CASES]
 
 
 def _id(c):
@@ -53,83 +54,10 @@ def _inputs(case, seed):
     g = torch.Generator().manual_seed(seed)
     tail = 3 if chunked else 0  # unused cache slots after the last query
     q_offset = N - L - tail
-    q = torch.randn(B, H * G, L, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, H, N, D, generator=g, dtype=torch.float64) * 1.5
-    v = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    q, k, v = masters(g, B, H, G, L, N, D)
     hi = q_offset + L - 2 * T - 1  # every sequence keeps at least two tiles of keys
     starts = [0] + [int(torch.randint(1, max(2, hi), (1,), generator=g)) for _ in range(B - 1)]
     return q, k, v, torch.tensor(starts), q_offset
-
-
-def _poison(x, kv_start, end):
-    """NaN in every cache slot outside [kv_start[b], end)."""
-    x = x.clone()
-    for b in range(x.shape[0]):
-        x[b, :, : int(kv_start[b])] = float("nan")
-        x[b, :, end:] = float("nan")
-    return x
-
-
-def _nan_like(q):
-    return torch.full_like(q, float("nan"))
-
-
-def _pooled_rows(q, k, kv_start, q_offset, scale, T):
-    """Per sequence: the reference's pooled probabilities of every tile of the call, ``[H, R_b, n_b]`` (fp32 on
-    the low-precision inputs), keys at or after the tile at -inf."""
-    B, HQ, L, D = q.shape
-    out = []
-    for b in range(B):
-        s0 = int(kv_start[b])
-        n = q_offset + L - s0
-        l = min(L, n)
-        parts = []
-        for t0, pooled in reference.iter_pooled_prefill(q[b, :, L - l :].float(), k[b, :, s0 : s0 + n].float(),
-                                                        scale, T):
-            c = pooled.shape[1]
-            full = pooled.new_full((pooled.shape[0], c, n), float("-inf"))
-            full[:, :, : pooled.shape[2]] = pooled
-            s = torch.arange(t0, t0 + c) * T
-            full = full.masked_fill(torch.arange(n)[None, :] >= s[:, None], float("-inf"))
-            parts.append(full)
-        out.append(torch.cat(parts, 1))
-    return out
-
-
-def _check_selection(sel, want, pooled, kv_start, q_offset, L, budget, what, rtol=1e-4):
-    """Same row layout and -1 padding as the reference, rows strictly ascending inside the causal prefix, and the
-    same sets except for keys whose reference score ties the k-th largest within rounding."""
-    assert not sel.decode and sel.tile == budget.tile and sel.indices.dtype == torch.long
-    assert sel.indices.shape == want.indices.shape, f"{what}: shape {tuple(sel.indices.shape)} vs {tuple(want.indices.shape)}"
-    assert torch.equal(sel.row_start.cpu(), want.row_start.cpu()), f"{what}: row_start"
-    B, H, R, K = sel.indices.shape
-    T = budget.tile
-    checked = 0
-    for b in range(B):
-        s0 = int(kv_start[b])
-        n = q_offset + L - s0
-        t_first = int(want.row_start[b])
-        for r in range(pooled[b].shape[1]):
-            s = (t_first + r) * T
-            kb = budget.prefill_tile(s, n)
-            for h in range(H):
-                row = sel.indices[b, h, r]
-                assert bool((row[kb:] == -1).all()), f"{what}: seq {b} row {r} head {h}: padding is not -1"
-                got = row[:kb] - s0
-                assert bool((got[1:] > got[:-1]).all()), f"{what}: seq {b} row {r} head {h}: not ascending"
-                if kb:
-                    assert int(got.min()) >= 0 and int(got.max()) < s, f"{what}: seq {b} row {r}: index out of range"
-                ref = want.indices[b, h, r]
-                diff = set(got.tolist()) ^ set((ref[ref >= 0] - s0).tolist())
-                if diff:
-                    p = pooled[b][h, r]
-                    kth = p.topk(kb).values[-1]
-                    gap = (p[sorted(diff)] - kth).abs().max()
-                    assert gap <= rtol * kth, f"{what}: seq {b} row {r} head {h}: {len(diff)} keys differ, {gap:.3g}"
-                checked += kb
-        for r in range(pooled[b].shape[1], R):  # rows past this sequence's last tile
-            assert bool((sel.indices[b, :, r] == -1).all()), f"{what}: seq {b} row {r} beyond its tiles"
-    assert checked > 0, f"{what}: no key selected at all: the case tests nothing"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -141,7 +69,7 @@ def test_prefill_kernels_match_reference(case):
     scale = D**-0.5
     budget = _budget(T)
     end = q_offset + L
-    kk, vv = _poison(k, kv_start, end), _poison(v, kv_start, end)
+    qd, kk, vv = dev(q), dev(poison(k, kv_start, end)), dev(poison(v, kv_start, end))
     pos = {"scale": scale, "kv_start": kv_start, "q_offset": q_offset}
     # small blocks so that several query / key blocks and row blocks are exercised at these tiny sizes
     blk = {"block_m": 32 if G * 8 <= 32 else 64, "block_n": 16}
@@ -149,48 +77,40 @@ def test_prefill_kernels_match_reference(case):
     # dense (+ LSE)
     want = reference.dense_attention(q64, k64, v64, **pos)
     lowp = reference.dense_attention(q, k, v, **pos)
-    got, lse = tp.dense_prefill(q, kk, vv, return_lse=True, out=_nan_like(q), **pos, **blk)
-    assert_close_to_reference(got, want, lowp, "dense", floor=1e-5)
-    lse_only = tp.prefill_lse(q, kk, **pos, **blk)
-    for b in range(B):  # the LSE against fp64 logsumexp of the valid causal rows
-        s0 = int(kv_start[b])
-        for i in range(L):
-            slot = q_offset + i
-            if slot < s0:
-                assert torch.isinf(lse[b, :, i]).all() and (lse[b, :, i] < 0).all(), "padding query LSE"
-                continue
-            sc = torch.einsum("hd,hkd->hk", q[b, :, i].double(),
-                              k[b, :, s0 : slot + 1].double().repeat_interleave(G, 0)) * scale
-            ref_lse = torch.logsumexp(sc, -1)
-            assert torch.allclose(lse[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"LSE seq {b} query {i}"
-            assert torch.allclose(lse_only[b, :, i].double(), ref_lse, rtol=1e-5, atol=1e-4), f"QK-only LSE {b} {i}"
+    got, lse = tp.dense_prefill(qd, kk, vv, return_lse=True, out=nan_like(qd), **pos, **blk)
+    check_close(got, want, lowp, "dense", floor=1e-5)
+    lse_only = tp.prefill_lse(qd, kk, **pos, **blk)
+    # the LSE against fp64 logsumexp of the valid causal rows
+    check_lse(lse, q, k, kv_start, q_offset, scale, "LSE")
+    check_lse(lse_only, q, k, kv_start, q_offset, scale, "QK-only LSE")
 
     # selection: given the LSE, computing its own, with a buffer so small that every chunk is one tile, with
     # chunks of a few tiles (their budgets differ: the chunk's largest one sizes its top-k), and int32 indices
     want_sel = reference.select(q, k, budget=budget, **pos)
-    pooled = _pooled_rows(q, k, kv_start, q_offset, scale, T)
+    pooled = pooled_prefill_rows(q, k, kv_start, q_offset, scale, T)
     few = B * H * 3 * (4 * N + 40 * budget.k(N))  # about 3 tiles per chunk
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32})):
-        sel = tp.select_prefill(q, kk, budget=budget, **pos, **kw, block_n=16)
+        sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
         if what == "int32":
             assert sel.indices.dtype == torch.int32
             sel = type(sel)(sel.indices.long(), sel.row_start, sel.tile, sel.decode)
-        _check_selection(sel, want_sel, pooled, kv_start, q_offset, L, budget, f"select/{what}")
+        check_prefill_selection(sel, want_sel, pooled, kv_start, q_offset, L, budget, f"select/{what}")
 
     # sparse over the reference's selection, int64 and int32 indices
     want = reference.sparse_attention(q64, k64, v64, want_sel, **pos)
     lowp = reference.sparse_attention(q, k, v, want_sel, **pos)
     for idt in (torch.int64, torch.int32):
         s = type(want_sel)(want_sel.indices.to(idt), want_sel.row_start, want_sel.tile, False)
-        got = tp.sparse_prefill(q, kk, vv, s, out=_nan_like(q), **pos, **blk)
-        assert_close_to_reference(got, want, lowp, f"sparse {idt}", floor=1e-5)
+        got = tp.sparse_prefill(qd, kk, vv, dev_selection(s), out=nan_like(qd), **pos, **blk)
+        check_close(got, want, lowp, f"sparse {idt}", floor=1e-5)
 
     # the anchor path end to end: its output over its own selection
-    out_a, sel_a = tp.anchor_prefill(q, kk, vv, budget=budget, **pos)
-    _check_selection(sel_a, want_sel, pooled, kv_start, q_offset, L, budget, "anchor selection")
+    out_a, sel_a = tp.anchor_prefill(qd, kk, vv, budget=budget, **pos)
+    check_prefill_selection(sel_a, want_sel, pooled, kv_start, q_offset, L, budget, "anchor selection")
+    sel_a = host_selection(sel_a)
     want = reference.sparse_attention(q64, k64, v64, sel_a, **pos)
-    assert_close_to_reference(out_a, want, reference.sparse_attention(q, k, v, sel_a, **pos), "anchor output", floor=1e-5)
+    check_close(out_a, want, reference.sparse_attention(q, k, v, sel_a, **pos), "anchor output", floor=1e-5)
 
 
 def test_padding_queries_get_zeros_and_chunk_starts_mid_tile():
@@ -204,19 +124,18 @@ def test_padding_queries_get_zeros_and_chunk_starts_mid_tile():
     q = torch.randn(B, H * G, L, D, generator=g).to(torch.bfloat16)
     k = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
     v = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
-    kk, vv = _poison(k, kv_start, N), _poison(v, kv_start, N)
+    qd, kk, vv = dev(q), dev(poison(k, kv_start, N)), dev(poison(v, kv_start, N))
     pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
     budget = _budget(T)
     sel = reference.select(q, k, budget=budget, **pos)
     assert int(sel.row_start[0]) == 2 and int(sel.row_start[1]) == 0
-    dense = tp.dense_prefill(q, kk, vv, out=_nan_like(q), **pos)
-    sparse = tp.sparse_prefill(q, kk, vv, sel, out=_nan_like(q), **pos)
+    dense = tp.dense_prefill(qd, kk, vv, out=nan_like(qd), **pos).cpu()
+    sparse = tp.sparse_prefill(qd, kk, vv, dev_selection(sel), out=nan_like(qd), **pos).cpu()
     for got in (dense, sparse):
         assert torch.equal(got[1, :, :15], torch.zeros_like(got[1, :, :15]))
         assert not torch.isnan(got).any() and bool((got[1, :, 15:] != 0).any())
-    assert_close_to_reference(sparse, reference.sparse_attention(q.double(), k.double(), v.double(), sel, **pos),
-                              reference.sparse_attention(q, k, v, sel, **pos), "sparse with padding queries",
-                              floor=1e-5)
+    check_close(sparse, reference.sparse_attention(q.double(), k.double(), v.double(), sel, **pos),
+                reference.sparse_attention(q, k, v, sel, **pos), "sparse with padding queries", floor=1e-5)
 
 
 def test_selection_chunks_bound_the_buffer(monkeypatch):
@@ -225,8 +144,8 @@ def test_selection_chunks_bound_the_buffer(monkeypatch):
     B, H, G, D, T = 1, 2, 2, 64, 16
     N = 160
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(B, H * G, N, D, generator=g).to(torch.float16)
-    k = torch.randn(B, H, N, D, generator=g).to(torch.float16)
+    q = dev(torch.randn(B, H * G, N, D, generator=g).to(torch.float16))
+    k = dev(torch.randn(B, H, N, D, generator=g).to(torch.float16))
     budget = Budget(ratio=0.25, k_min=4, tile=T)
     sizes = []
     real_empty = torch.empty
@@ -276,8 +195,9 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     cut = torch.where(cut < 0, big, cut).sort(-1).values
     cut = torch.where(cut == big, -1, cut)
     rs = torch.zeros(B, dtype=torch.long)
-    got = tp.sparse_prefill(q, k, v, Selection(idx, rs, T, False), counts=counts, **pos)
-    want = tp.sparse_prefill(q, k, v, Selection(cut, rs, T, False), **pos)
+    q, k, v, counts = dev(q), dev(k), dev(v), dev(counts)
+    got = tp.sparse_prefill(q, k, v, dev_selection(Selection(idx, rs, T, False)), counts=counts, **pos)
+    want = tp.sparse_prefill(q, k, v, dev_selection(Selection(cut, rs, T, False)), **pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    full = tp.sparse_prefill(q, k, v, Selection(idx, rs, T, False), **pos)
+    full = tp.sparse_prefill(q, k, v, dev_selection(Selection(idx, rs, T, False)), **pos)
     assert not torch.allclose(got, full), "the counts changed nothing"
