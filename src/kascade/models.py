@@ -32,14 +32,20 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def load_model(path: str | Path | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, check=None):
     """Load ``(model, tokenizer)`` from a GGUF file, a local model folder, or (``None``) the default model.
 
-    GGUF weights are de-quantised to ``dtype``. Nothing is downloaded.
+    GGUF weights are de-quantised to ``dtype``. Nothing is downloaded. ``check(config, tokenizer)``, when given, is
+    called with the model's transformers config and its tokenizer before any weight is read: a command checks its
+    arguments against the model's shape there and raises to refuse them without waiting for the weights.
+    Errors: FileNotFoundError (no such path; the default model not installed), ValueError (a file that is not a
+    .gguf, a folder without config.json, a device this torch cannot use, a model or tokenizer transformers cannot
+    read), each naming the path.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path() if path is None else Path(path)
+    path = default_model_path() if path is None else Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"no model at {path} (give a .gguf file or a folder with config.json)")
     if path.is_file():
@@ -51,14 +57,32 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json; give a .gguf file or a transformers model folder")
         kw, where = {}, str(path)
-    tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
-    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype, **kw)
-    model.to(device).eval()
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu or cuda (cuda:N for one GPU)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+
+    def read(what, load):
+        # transformers reports unreadable inputs as OSError or ValueError, often over several lines
+        try:
+            return load()
+        except (OSError, ValueError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ValueError(f"cannot read the {what} of {path}: {reason}") from e
+
+    tok = read("tokenizer", lambda: AutoTokenizer.from_pretrained(where, local_files_only=True, **kw))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # what Kascade (and batched generation) expects
     if getattr(tok, "clean_up_tokenization_spaces", False):
         tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers, and transformers warns about it
+    if check is not None:
+        check(read("config", lambda: AutoConfig.from_pretrained(where, local_files_only=True, **kw)), tok)
+    model = read("weights", lambda: AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype,
+                                                                         **kw))
+    model.to(dev).eval()
     return model, tok
 
 

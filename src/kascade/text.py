@@ -3,7 +3,8 @@
 The corpus is ``pydoc_data.topics`` (the Python reference's topic pages, about 113K tokens for SmolLM2's
 tokenizer), in sorted topic order. Its token stream is split once into a *development* part (the first 60%, for
 calibration) and an *evaluation* part (the last 40%, for fidelity tests and haystacks), so that the windows a plan
-is calibrated on never overlap the windows it is judged on.
+is calibrated on never overlap the windows it is judged on. :func:`cut_windows` cuts token windows from other texts (a
+user's file: ``kascade eval --data``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def windows(tokenizer, split: str, length: int, count: int, seed: int = 0) -> li
     else:  # the split is too short: evenly spread, overlapping windows
         starts = [round(i * room / max(1, count - 1)) for i in range(count)]
     return [ids[s : s + length].clone() for s in starts]
+
+
+def cut_windows(tokenizer, texts, length: int, count: int) -> list[torch.Tensor]:
+    """The first ``count`` windows of ``length`` tokens cut one after another from ``texts`` in order: each text's
+    tokens from its start, the tail of a text too short for another window left out (no window spans two texts).
+    Fewer than ``count`` when the texts run out; texts after the last window needed are not tokenized."""
+    if length < 1 or count < 1:
+        raise ValueError(f"length and count must be >= 1, got {length}, {count}")
+    out = []
+    for t in texts:
+        ids = tokenizer(t, add_special_tokens=False).input_ids
+        for s in range(0, len(ids) - length + 1, length):
+            out.append(torch.tensor(ids[s : s + length], dtype=torch.long))
+            if len(out) == count:
+                return out
+    return out
 
 
 def iter_jsonl(path: str | Path):

@@ -1,9 +1,15 @@
 """`kascade calibrate` end to end on the default model at tiny settings, and its input errors."""
 
 import json
+import random
+import string
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from conftest import tiny_model
+from kascade import KascadePlan
 from kascade.calibrate import pipeline
 from kascade.cli import main
 
@@ -103,3 +109,141 @@ def test_calibrate_method_writes_that_variants_plan(tmp_path, default_model, mon
     assert len(plan.anchors) == 4
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(out), "--method", "magic"])
+
+
+# -- refusals before any work, on a tiny random model -------------------------------------------------------------
+
+class CharTokenizer:
+    """Characters as token ids 3..96 (inside the tiny models' vocabulary of 97)."""
+
+    pad_token_id = eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[3 + ord(c) % 94 for c in text])
+
+
+def texts_file(path, count, chars=300):
+    """A JSONL file of ``count`` distinct random texts."""
+    path.write_text("".join(json.dumps({"text": "".join(random.Random(i).choices(string.ascii_letters + " ", k=chars))})
+                            + "\n" for i in range(count)))
+    return path
+
+
+TINY = ["--seq-len", "96", "--k", "8", "--tile", "16", "--k-min", "8", "--samples", "2", "--max-anchors", "3"]
+ANCHORS = ["--anchors", "2"]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """kascade calibrate on a tiny random Llama (4 layers, 4 KV heads): a loader that, like load_model, calls
+    ``check(config, tokenizer)`` before it 'reads the weights' (``tiny.loads`` counts those)."""
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4)
+    loads = []
+
+    def load(path=None, *, device="cpu", dtype=None, check=None):
+        tok = CharTokenizer()
+        if check is not None:
+            check(model.config, tok)
+        loads.append(path)
+        return model, tok
+
+    monkeypatch.setattr(pipeline, "load_model", load)
+    return SimpleNamespace(model=model, loads=loads)
+
+
+def _error(argv, capsys) -> str:
+    """The command's error output, checked to be one line `kascade calibrate: error: ...` with exit status 2."""
+    try:
+        rc = main(["calibrate", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kascade calibrate: error: ") and err.count("\n") == 1, (argv, rc, err)
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "0"], "argument --k: must be a positive integer, got '0'"),
+    (["--k", "-4"], "argument --k: must be a positive integer, got '-4'"),
+    (["--tile", "0"], "argument --tile: must be a positive integer, got '0'"),
+    (["--ratio", "2"], "argument --ratio: must be a number in (0, 1], got '2'"),
+    (["--ratio", "nan"], "argument --ratio: must be a number in (0, 1]"),
+    (["--samples", "0"], "argument --samples: must be a positive integer"),
+    (["--target-agreement", "1.5"], "argument --target-agreement: must be a number in (0, 1]"),
+    (["--tensor-parallel", "0"], "argument --tensor-parallel: must be a positive integer"),
+    (["--device", "gpu"], "argument --device: unknown device 'gpu'"),
+    (["--lengths", "200"], "--lengths is for the methods other than faithful"),
+    (["--rule", "sinks"], "--rule is the reuse rule of --method length or search, not of 'faithful'"),
+    (["--plan", "p.json"], "unrecognized arguments: --plan p.json"),
+    (["--anchors", "5"], "--anchors must be in 1..4 (the model's layer count), got 5"),
+    ([*ANCHORS, "--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the model's 4 KV heads"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_any_work(tmp_path, tiny, capsys, argv, message):
+    err = _error([*TINY, "--out", str(tmp_path / "out"), *argv], capsys)
+    assert message in err
+    assert tiny.loads == [] and not (tmp_path / "out" / "plan.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a CUDA device")
+def test_cuda_without_cuda_is_refused_in_one_line(tmp_path, tiny, capsys):
+    assert "sees no CUDA device" in _error(["--device", "cuda", "--out", str(tmp_path)], capsys)
+
+
+def test_the_output_folder_and_the_data_are_checked_before_the_model(tmp_path, tiny, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert f"--out {afile} is a file, not a folder" in _error([*TINY, "--out", str(afile)], capsys)
+    data = texts_file(tmp_path / "d.jsonl", 1)
+    err = _error([*TINY, "--data", str(data), "--out", str(tmp_path / "o")], capsys)
+    assert "holds 1 texts; 2 are needed (--samples plus --holdout)" in err
+    assert "no file at" in _error([*TINY, "--data", str(tmp_path / "none.jsonl")], capsys)
+    assert "(it is a folder)" in _error([*TINY, "--data", str(tmp_path)], capsys)
+    short = texts_file(tmp_path / "short.jsonl", 2, chars=10)
+    err = _error([*TINY, *ANCHORS, "--data", str(short), "--out", str(tmp_path / "o")], capsys)
+    assert "short.jsonl: text 1 has 10 tokens; at least 17 are needed" in err
+    assert tiny.loads == []
+
+
+def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
+    def broken(settings):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(pipeline, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["calibrate"])
+
+
+def test_out_of_memory_is_reported_in_one_line(monkeypatch, capsys):
+    def big(settings):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(pipeline, "run", big)
+    assert main(["calibrate"]) == 2
+    assert capsys.readouterr().err == ("kascade calibrate: error: out of memory (CUDA out of memory. Tried to allocate "
+                                       "9.00 GiB); shorter lengths or fewer samples need less\n")
+
+
+def test_target_agreement_needs_no_anchor_count_the_model_cannot_hold(tmp_path, tiny, capsys):
+    """The default --anchors (6) is not checked against a 4-layer model when --target-agreement replaces it."""
+    data = texts_file(tmp_path / "d.jsonl", 3)
+    rc = main(["calibrate", *TINY, "--data", str(data), "--target-agreement", "0.01", "--holdout", "1",
+               "--out", str(tmp_path / "o")])
+    assert rc == 0, capsys.readouterr().err
+    plan = KascadePlan.load(tmp_path / "o" / "plan.json")
+    assert plan.calibrated and 2 <= len(plan.anchors) <= 3
+    out = capsys.readouterr().out
+    assert f"used texts 1..3 of {data}" in out and f"kascade eval --data {data} --skip-texts 3" in out
+
+
+def test_tensor_parallel_writes_the_shard_local_plan(tmp_path, tiny, capsys):
+    """--tensor-parallel 2: the plan written is the global plan made shard-local by the statistics' similarity."""
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--out", str(tmp_path / "g")]) == 0
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--tensor-parallel", "2",
+                 "--out", str(tmp_path / "tp")]) == 0
+    glob, local = (KascadePlan.load(tmp_path / d / "plan.json") for d in ("g", "tp"))
+    sim = torch.tensor(json.loads((tmp_path / "tp" / "stats.json").read_text())["similarity"])
+    assert local == glob.for_tensor_parallel(2, sim)
+    assert local.tensor_parallel == 2 and local.crossing_links(2) == []
+    assert glob.crossing_links(2), "the test needs a global plan with links across the two shards"
+    assert "shard-local for 2 tensor-parallel ranks" in capsys.readouterr().out

@@ -1,8 +1,16 @@
 import csv
 import json
+import random
+import re
+import string
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import kascade.models
+from conftest import tiny_model
+from kascade import KascadePlan, ModelFingerprint
 from kascade.cli import build_parser, main
 
 
@@ -37,3 +45,227 @@ def test_eval_end_to_end(tmp_path, default_model, monkeypatch, capsys):
     with open(out / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(res["rows"])
     assert "| kascade |" in capsys.readouterr().out
+
+
+# -- on a tiny random model: refusals before any work, rows kept as they finish, resuming, --data ----------------
+
+class CharTokenizer:
+    """Characters as token ids 3..96 (inside the tiny models' vocabulary of 97)."""
+
+    pad_token_id = eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[3 + ord(c) % 94 for c in text])
+
+
+def texts_file(path, count, chars=300):
+    """A JSONL file of ``count`` distinct random texts."""
+    path.write_text("".join(json.dumps({"text": "".join(random.Random(i).choices(string.ascii_letters + " ", k=chars))})
+                            + "\n" for i in range(count)))
+    return path
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """A tiny random Llama (4 layers) behind load_model: the loader calls ``check(config, tokenizer)`` before it
+    'reads the weights', as load_model does (``tiny.loads`` counts those)."""
+    model = tiny_model("llama")
+    loads = []
+
+    def load(path=None, *, device="cpu", dtype=None, check=None):
+        tok = CharTokenizer()
+        if check is not None:
+            check(model.config, tok)
+        loads.append(path)
+        return model, tok
+
+    monkeypatch.setattr(kascade.models, "load_model", load)
+    return SimpleNamespace(model=model, loads=loads)
+
+
+def _error(command, argv, capsys) -> str:
+    """The command's error output, checked to be one line `kascade <command>: error: ...` with exit status 2."""
+    try:
+        rc = main([command, *argv])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"kascade {command}: error: ") and err.count("\n") == 1, (argv, rc, err)
+    return err
+
+
+FAST = ["--strategies", "dense,streamingllm,oracle", "--tasks", "fidelity", "--lengths", "48", "--k-min", "8",
+        "--ratio", "0.25"]
+
+
+def _longbench(path, answers):
+    path.write_text(json.dumps(dict(context="The meeting is on Tuesday.", input="When?", answers=["Tuesday"],
+                                    dataset="hotpotqa")) + "\n"
+                    + json.dumps(dict(context="x", input="y", answers=answers, dataset="hotpotqa")) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "-5"], "argument --lengths: must be a positive integer, got '-5'"),
+    (["--lengths", "0"], "argument --lengths: must be a positive integer, got '0'"),
+    (["--samples", "0"], "argument --samples: must be a positive integer, got '0'"),
+    (["--ratio", "2"], "argument --ratio: must be a number in (0, 1]"),
+    (["--device", "gpu"], "argument --device: unknown device 'gpu'"),
+    (["--tasks", "fidelity,niah_single_number", "--lengths", "100"], "--lengths must be at least 256 tokens"),
+    (["--skip-texts", "2"], "--skip-texts and --text-field apply to --data"),
+    (["--longbench-limit", "2"], "--longbench-limit applies to --longbench"),
+    (["--omnikv-layer", "4", "--strategies", "omnikv"], "omnikv_layer must be in 1..3, got 4"),
+    (["--strategies", "kascade-faithful"], "no shipped 'faithful' plan for this model"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_any_work(tmp_path, tiny, capsys, argv, message):
+    err = _error("eval", [*FAST, "--out", str(tmp_path / "out"), *argv], capsys)
+    assert message in err
+    assert tiny.loads == [] and not (tmp_path / "out" / "rows.jsonl").exists()
+
+
+def test_bad_files_are_refused_in_one_line_before_any_work(tmp_path, tiny, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    other = KascadePlan.uniform(ModelFingerprint("llama", 30, 9, 3, 64), 6)
+    other.save(tmp_path / "other.json")
+    cases = [
+        (["--out", str(afile)], f"--out {afile} is a file, not a folder"),
+        (["--plan", str(tmp_path)], f"argument --plan: no plan file at {tmp_path} (it is a folder)"),
+        (["--plan", str(tmp_path / "other.json")], "was made for another model: num_layers: plan has 30, model has 4"),
+        (["--data", str(tmp_path)], "argument --data: no file at"),
+        (["--data", str(texts_file(tmp_path / "two.jsonl", 2)), "--skip-texts", "2"],
+         "two.jsonl holds 2 text(s); --skip-texts 2 leaves none"),
+        (["--data", str(tmp_path / "two.jsonl"), "--skip-texts", "1", "--lengths", "200"],
+         "hold 1 window(s) of 200 tokens (a window lies within one text); --samples 2 needs 2"),
+        (["--data", str(tmp_path / "two.jsonl"), "--tasks", "niah_single_number"],
+         "--data is the text of the fidelity task: add fidelity to --tasks"),
+        (["--longbench", str(_longbench(tmp_path / "null.jsonl", None)), "--tasks", "fidelity"],
+         "null.jsonl:2: 'answers' must be a non-empty list of non-empty strings (the gold answers), got None"),
+        (["--longbench", str(_longbench(tmp_path / "empty.jsonl", [])), "--tasks", "fidelity"],
+         "empty.jsonl:2: 'answers' must be a non-empty list of non-empty strings (the gold answers), got []"),
+    ]
+    for argv, message in cases:
+        err = _error("eval", [*FAST, "--out", str(tmp_path / "out"), *argv], capsys)
+        assert message in err, (argv, err)
+    assert tiny.loads == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a CUDA device")
+@pytest.mark.parametrize("command", ["demo", "calibrate", "eval", "bench"])
+def test_every_command_refuses_cuda_without_cuda_in_one_line(command, capsys):
+    assert "argument --device: 'cuda': this torch" in _error(command, ["--device", "cuda"], capsys)
+
+
+@pytest.mark.parametrize("command", ["demo", "eval", "bench"])
+def test_every_command_refuses_a_folder_as_plan_in_one_line(command, tmp_path, capsys):
+    assert f"no plan file at {tmp_path} (it is a folder)" in _error(command, ["--plan", str(tmp_path)], capsys)
+
+
+def test_every_help_says_what_each_option_means():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == {"demo", "calibrate", "eval", "bench"}
+    history = re.compile(r"\b(issue|new|old|now|previously|no longer)\b|#\d", re.IGNORECASE)
+    for name, sub in commands.items():
+        assert len(sub.description) > 80 and not history.search(sub.description), name
+        for action in sub._actions:
+            if action.dest in ("help", "parser"):
+                continue
+            assert action.help and len(action.help) > 20, (name, action.option_strings)
+            assert not history.search(action.help), (name, action.option_strings, action.help)
+            if action.default not in (None, False):
+                assert "default" in action.help, (name, action.option_strings, action.help)
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+
+
+def test_rows_are_kept_as_they_finish_and_the_same_command_resumes(tmp_path, tiny, monkeypatch, capsys):
+    from kascade.eval import runner
+
+    data = texts_file(tmp_path / "d.jsonl", 3)
+    out = tmp_path / "ev"
+    argv = ["eval", *FAST, "--data", str(data), "--samples", "3", "--out", str(out)]
+    scored, real = [], runner.Session.fidelity
+
+    def interrupted(self, window, names=None):
+        if len(scored) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the third window
+        scored.append(window)
+        return real(self, window, names)
+
+    monkeypatch.setattr(runner.Session, "fidelity", interrupted)
+    assert main(argv) == 130
+    err = capsys.readouterr().err  # the progress bar's line, then the message
+    assert err.endswith(f"\nkascade eval: interrupted; the finished rows are in {out}, and the same command resumes "
+                        "them\n")
+    rows = _rows(out)
+    assert [(r["strategy"], r["sample"]) for r in rows] == [(s, i) for i in (0, 1) for s in ("dense", "streamingllm",
+                                                                                           "oracle")]
+    summary = json.loads((out / "results.json").read_text())
+    assert len(summary["rows"]) == 6 and "| oracle |" in (out / "summary.md").read_text()
+
+    monkeypatch.setattr(runner.Session, "fidelity", lambda self, window, names=None: scored.append(window)
+                        or real(self, window, names))
+    assert main(argv) == 0
+    assert len(scored) == 3  # only the third window ran again
+    rows = _rows(out)
+    assert len(rows) == 9 and len({runner.row_key(r) for r in rows}) == 9
+    assert {r["agreement"] for r in rows if r["strategy"] == "dense"} == {1.0}
+    assert len(json.loads((out / "results.json").read_text())["rows"]) == 9
+    capsys.readouterr()
+
+    assert main([*argv, "--lengths", "48", "64"]) == 0  # another length adds its rows to the same folder
+    assert len(_rows(out)) == 18 and len(scored) == 6
+    capsys.readouterr()
+    err = _error("eval", [*argv[1:], "--k-min", "16"], capsys)
+    assert f"--out {out} holds results of other settings (--k-min 8 there, 16 now)" in err
+    data.write_text(data.read_text() + json.dumps({"text": "more"}) + "\n")
+    assert "--data: another file (or the file changed)" in _error("eval", argv[1:], capsys)
+    assert len(_rows(out)) == 18
+
+
+def test_eval_data_windows_are_disjoint_from_the_calibration_windows(tmp_path, tiny, monkeypatch, capsys):
+    """calibrate --data takes its texts from the start of the file (statistics, held-out, search) and prints how many;
+    eval --data --skip-texts that many evaluates on windows of the texts after them."""
+    from kascade.calibrate import pipeline
+    from kascade.eval import runner
+
+    monkeypatch.setattr(pipeline, "load_model", kascade.models.load_model)  # the tiny model
+    data = texts_file(tmp_path / "d.jsonl", 7)
+    made = []
+    real_dev = pipeline.dev_windows
+    monkeypatch.setattr(pipeline, "dev_windows", lambda *a, **k: made.extend(real_dev(*a, **k)) or made[-k["count"]:])
+    assert main(["calibrate", "--data", str(data), "--seq-len", "96", "--k", "8", "--tile", "16", "--k-min", "8",
+                 "--samples", "2", "--target-agreement", "0.01", "--holdout", "1", "--max-anchors", "3",
+                 "--method", "search", "--search-windows", "1", "--search-evals", "2",
+                 "--out", str(tmp_path / "c")]) == 0
+    skip = int(re.search(r"--skip-texts (\d+)", capsys.readouterr().out).group(1))
+    assert skip == 4 and len(made) == 4
+
+    evaluated = []
+    real_fid = runner.Session.fidelity
+    monkeypatch.setattr(runner.Session, "fidelity", lambda self, w, names=None: evaluated.append(w)
+                        or real_fid(self, w, names))
+    assert main(["eval", *FAST, "--data", str(data), "--skip-texts", str(skip), "--samples", "3",
+                 "--out", str(tmp_path / "e")]) == 0
+    assert len(evaluated) == 3
+
+    tok = CharTokenizer()
+    texts = [tok(json.loads(line)["text"]).input_ids for line in data.read_text().splitlines()]
+
+    def source(window):
+        """(text index, first token) of a window: where in the file it was cut."""
+        w = window.tolist()
+        found = [(t, s) for t, ids in enumerate(texts) for s in range(len(ids) - len(w) + 1)
+                 if ids[s : s + len(w)] == w]
+        assert len(found) == 1
+        return found[0]
+
+    calibrated = {source(w)[0] for w in made}
+    assert calibrated == {0, 1, 2, 3}
+    assert {source(w)[0] for w in evaluated} <= set(range(skip, 7))
+    # without --skip-texts the same windows would have overlapped the calibration's
+    plain = [json.loads(x)["text"] for x in data.read_text().splitlines()]
+    assert {source(w)[0] for w in runner.data_windows(tok, plain, [48], 3)[48]} & calibrated

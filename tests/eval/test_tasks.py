@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -57,3 +58,28 @@ def test_longbench_loader(tmp_path):
     bad.write_text(json.dumps(dict(context="x", input="y", dataset="trec")) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: missing LongBench field"):
         longbench.load(bad)
+
+
+@pytest.mark.parametrize("answers, shown", [(None, "None"), ([], "[]"), ([""], "['']"), (["a", 3], "['a', 3]"),
+                                            ({"a": 1}, "{'a': 1}")])
+def test_longbench_records_without_usable_answers_are_refused(tmp_path, answers, shown):
+    """Not scored against the string 'None' (null), nor left to fail at scoring time after other samples ran."""
+    f = tmp_path / "lb.jsonl"
+    good = dict(context="Alice lives in Paris.", input="Where?", answers=["Paris"], dataset="hotpotqa")
+    f.write_text(json.dumps(good) + "\n" + json.dumps({**good, "answers": answers}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"lb.jsonl:2: 'answers' must be a non-empty list of non-empty "
+                                                   f"strings (the gold answers), got {shown}")):
+        longbench.load(f)
+    with pytest.raises(ValueError, match="lb.jsonl:2: 'answers' must be"):
+        longbench.load(f, limit=1)  # the whole file is checked, not only the records used
+
+
+def test_longbench_fields_must_be_strings_and_scores_need_answers(tmp_path):
+    f = tmp_path / "lb.jsonl"
+    f.write_text(json.dumps(dict(context=None, input="y", answers="x", dataset="trec")) + "\n")
+    with pytest.raises(ValueError, match="lb.jsonl:1: 'context' must be a string, got None"):
+        longbench.load(f)
+    f.write_text(json.dumps(dict(context="c", input="y", answers="x", dataset="trec")) + "\n")
+    assert longbench.load(f)[0].answers == ["x"]  # one answer as a plain string
+    with pytest.raises(ValueError, match="at least one gold answer"):
+        longbench.score("hotpotqa", "Paris", [])

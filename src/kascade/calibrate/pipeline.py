@@ -9,12 +9,19 @@ DP's anchors and the argmax head map; ``any-anchor``, ``union2``, ``sinks``, ``l
 :mod:`kascade.calibrate.search`) and ``measured`` (the shipped default's method: that search with the faithful rule
 on the development windows of every length together, then per-layer budgets from each layer's measured sensitivity
 on the same windows, :mod:`kascade.calibrate.budgets`).
+
+With ``Settings.data`` the windows are the first tokens of the file's texts, taken from its start: ``samples`` for
+the statistics, then ``holdout`` held-out ones (with ``target_agreement``), then ``search_windows`` for the search
+(``search`` / ``measured``); ``Settings.texts_used`` counts them, and ``kascade eval --data FILE --skip-texts N``
+evaluates on the texts after them. ``Settings.tensor_parallel`` makes the plan shard-local for that many
+tensor-parallel ranks (:meth:`kascade.KascadePlan.for_tensor_parallel`, by the statistics' similarity).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +45,31 @@ def is_method(name: str) -> bool:
     return name in METHODS or all(x in RULES for x in name.split("+"))
 
 
+def check_out(out: str | Path) -> Path:
+    """``out`` as a folder that exists and takes files (created if missing), else ValueError saying why. The
+    commands call it before loading a model, so that no run ends, after its work, unable to write the results."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    return out
+
+
 def load_texts(path: str | Path, field: str = "text") -> list[str]:
-    """Texts from a JSONL file (one JSON object per line, the text under ``field``) or a plain-text file."""
-    path = Path(path)
+    """Texts from a JSONL file (``.jsonl`` or ``.json``: one JSON object per line, the text under ``field``) or a
+    plain-text file (any other name: one text). ValueError naming the file (and line) for anything unusable."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"no data file at {path}")
-    raw = path.read_text()
+        raise FileNotFoundError(f"no data file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        raw = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"the data file {path} is not UTF-8 text") from None
     if not raw.strip():
         raise ValueError(f"the data file {path} is empty")
     if path.suffix not in (".jsonl", ".json"):
@@ -61,12 +87,13 @@ def load_texts(path: str | Path, field: str = "text") -> list[str]:
 
 
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
-                need: str = "--samples plus --holdout") -> list[torch.Tensor]:
+                need: str = "--samples plus --holdout", texts: list[str] | None = None) -> list[torch.Tensor]:
     """``count`` token windows of at most ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of
-    each, after the first ``skip`` texts) or from the development split of pydoc_data.topics (``seed`` picks)."""
+    each, after the first ``skip`` texts; ``texts``, when given, are the file's, already loaded) or from the
+    development split of pydoc_data.topics (``seed`` picks)."""
     if data is None:
         return text.windows(tok, "dev", seq_len, count, seed=seed)
-    texts = load_texts(data, field)
+    texts = load_texts(data, field) if texts is None else texts
     if len(texts) < skip + count:
         raise ValueError(f"{data} holds {len(texts)} texts; {skip + count} are needed ({need})")
     return [torch.tensor(tok(t, add_special_tokens=False).input_ids[:seq_len]) for t in texts[skip : skip + count]]
@@ -108,9 +135,15 @@ def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationS
                          method if rule is None else rule, **kw)
 
 
+def _int(name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Settings:
-    """What `kascade calibrate` runs with (the command's flags; ``rolling`` is ``not --no-rolling``)."""
+    """What `kascade calibrate` runs with (the command's flags; ``rolling`` is ``not --no-rolling``). Every value that
+    does not depend on the model is checked here; :meth:`check_model` checks the rest against the model's shape."""
 
     out: str | Path = "kascade-calibration"
     model: str | Path | None = None  # None: the embedded default model
@@ -119,7 +152,7 @@ class Settings:
     text_field: str = "text"
     seq_len: int = 4096
     samples: int = 4  # windows of the statistics
-    anchors: int = 6
+    anchors: int = 6  # not used with ``target_agreement``
     target_agreement: float | None = None  # instead of ``anchors``: the fewest reaching it on ``holdout`` windows
     holdout: int = 2
     max_anchors: int = 12
@@ -131,11 +164,33 @@ class Settings:
     seed: int = 0
     method: str = "faithful"
     rule: str | None = None  # the reuse rule of the ``length`` / ``search`` sub-plans (None: faithful)
-    lengths: tuple[int, ...] | None = None  # calibration lengths of ``length`` / ``search`` / ``measured``
+    lengths: tuple[int, ...] | None = None  # calibration lengths of a method other than ``faithful``
     search_windows: int = 2  # development windows per length that ``search`` / ``measured`` score plans on
     search_evals: int = 24
+    tensor_parallel: int | None = None  # make the plan shard-local for this many tensor-parallel ranks
 
     def __post_init__(self):
+        for name, value in (("--k", self.k), ("--tile", self.tile), ("--samples", self.samples),
+                            ("--max-anchors", self.max_anchors), ("--k-min", self.k_min),
+                            ("--search-windows", self.search_windows), ("--search-evals", self.search_evals)):
+            _int(name, value)
+        _int("--seed", self.seed, 0)
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(f"--ratio must be a fraction of the keys in (0, 1], got {self.ratio!r}")
+        if self.target_agreement is None:
+            _int("--anchors", self.anchors)
+        else:
+            t = self.target_agreement
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+                raise ValueError(f"--target-agreement must be a top-1 agreement in (0, 1], got {t!r}")
+            _int("--holdout", self.holdout)
+            if self.max_anchors < 2:
+                raise ValueError(f"--target-agreement tries 2 anchors and more: --max-anchors must be >= 2, got "
+                                 f"{self.max_anchors}")
+        if self.tensor_parallel is not None:
+            _int("--tensor-parallel", self.tensor_parallel)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"--text-field must name a field, got {self.text_field!r}")
         need = min_window_tokens(self.k, self.tile)
         if self.seq_len < need:
             raise ValueError(f"--seq-len {self.seq_len} is too short: at least {need} tokens (one tile after k keys)")
@@ -143,8 +198,18 @@ class Settings:
             if not is_method(name):
                 raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)} (or reuse rules joined "
                                  "by '+')")
+        if self.rule is not None and self.method not in ("length", "search"):
+            raise ValueError(f"--rule is the reuse rule of --method length or search, not of {self.method!r}")
         if self.lengths is not None:
             object.__setattr__(self, "lengths", tuple(self.lengths))
+            if self.method == "faithful":
+                raise ValueError("--lengths is for the methods other than faithful (whose plan is made at --seq-len)")
+            if not self.lengths:
+                raise ValueError("--lengths needs at least one length")
+            for n in self.lengths:
+                _int("--lengths", n)
+                if n < need:
+                    raise ValueError(f"--lengths {n} is too short: at least {need} tokens (one tile after k keys)")
 
     @property
     def budget(self) -> dict:
@@ -155,38 +220,124 @@ class Settings:
         """Held-out windows after the statistics' (only ``target_agreement`` uses them)."""
         return self.holdout if self.target_agreement is not None else 0
 
+    @property
+    def search_texts(self) -> int:
+        """Texts of ``data`` that the anchor search scores plans on (``search`` / ``measured`` only)."""
+        return self.search_windows if self.method in ("search", "measured") else 0
+
+    @property
+    def texts_used(self) -> int:
+        """How many texts of ``data``, from its start, the calibration reads: the statistics', then the held-out
+        ones, then the search's. ``kascade eval --data FILE --skip-texts N`` evaluates on the texts after them."""
+        return self.samples + self.holdout_windows + self.search_texts
+
+    @property
+    def lengths_to_run(self) -> list[int]:
+        """The calibration lengths of a method other than ``faithful`` (``lengths``, else ``seq_len``)."""
+        return sorted(set(self.lengths or [self.seq_len]))
+
+    def check_model(self, fp: ModelFingerprint) -> None:
+        """ValueError for a setting the model of shape ``fp`` cannot run."""
+        if self.target_agreement is None and not 1 <= self.anchors <= fp.num_layers:
+            raise ValueError(f"--anchors must be in 1..{fp.num_layers} (the model's layer count), got {self.anchors}")
+        if self.target_agreement is not None and fp.num_layers < 2:
+            raise ValueError("--target-agreement compares plans of 2 anchors and more; the model has 1 layer")
+        tp, H = self.tensor_parallel, fp.num_kv_heads
+        if tp is not None and H % tp:
+            sizes = [d for d in range(1, H + 1) if H % d == 0]
+            raise ValueError(f"--tensor-parallel {tp} does not divide the model's {H} KV heads (the heads are split "
+                             f"evenly over the ranks); use one of {', '.join(map(str, sizes))}")
+
+
+@dataclass
+class _Windows:
+    """The token windows a calibration reads, made (and checked) before the model's weights are loaded."""
+
+    stats: list  # the statistics' windows, then the held-out ones
+    by_length: dict  # other calibration lengths: {n: windows} for the statistics at n
+    search: dict | None  # {n: windows} the search scores plans on
+
+
+def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
+    def make(seq_len, count, **kw):
+        return dev_windows(tok, data=s.data, field=s.text_field, seq_len=seq_len, count=count, texts=texts, **kw)
+
+    need = min_window_tokens(s.k, s.tile)
+    wins = make(s.seq_len, s.samples + s.holdout_windows, seed=s.seed)
+    by_len, search = {}, None
+    if s.method != "faithful":
+        by_len = {n: make(n, s.samples, seed=s.seed) for n in s.lengths_to_run if n != s.seq_len}
+    for ws in (wins[: s.samples], *by_len.values()):  # windows of the data's texts 1, 2, ...; pydoc's are full
+        for i, w in enumerate(ws):
+            if len(w) < need:
+                raise ValueError(f"{s.data}: text {i + 1} has {len(w)} tokens; at least {need} are needed for the "
+                                 f"statistics (one tile of {s.tile} after k={s.k} earlier keys)")
+    if s.search_texts:
+        # scored on other development windows than the statistics' (another seed; with --data, the texts after
+        # those of the statistics and the holdout)
+        search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=s.samples + s.holdout_windows,
+                          need="--samples, --holdout and --search-windows") for n in s.lengths_to_run}
+    for w in [*wins[s.samples :], *(w for ws in (search or {}).values() for w in ws)]:
+        if len(w) < 2:
+            raise ValueError(f"{s.data}: a held-out or search text has {len(w)} token(s); a comparison with dense "
+                             "needs at least 2")
+    return _Windows(wins, by_len, search)
+
 
 def run(settings: Settings) -> dict:
-    """Calibrate, write the files into ``settings.out``; ``{plan, stats, table, out, pictures, measured}``."""
+    """Calibrate, write the files into ``settings.out``; ``{plan, stats, table, out, pictures, measured, settings}``.
+
+    Everything that can be checked before the statistics is: the output folder and the data file first, then the
+    model's shape and the token windows (from its config and tokenizer, before its weights are read)."""
     s = settings
-    model, tok = load_model(s.model, device=s.device, dtype=torch.float32 if s.device == "cpu" else torch.bfloat16)
+    out = check_out(s.out)
+    texts = None
+    if s.data is not None:
+        texts = load_texts(s.data, s.text_field)
+        if len(texts) < s.texts_used:
+            need = "--samples, --holdout and --search-windows" if s.search_texts else "--samples plus --holdout"
+            raise ValueError(f"{s.data} holds {len(texts)} texts; {s.texts_used} are needed ({need})")
+    ready: list[_Windows] = []
+
+    def prepare(config, tok):
+        s.check_model(ModelFingerprint.from_config(config))
+        ready.append(_windows(s, tok, texts))
+
+    model, tok = load_model(s.model, device=s.device, dtype=torch.float32 if s.device == "cpu" else torch.bfloat16,
+                            check=prepare)
+    if not ready:  # a loader that does not call ``check``
+        prepare(model.config, tok)
+    wins = ready[0]
     fp = ModelFingerprint.from_model(model)
-    if s.anchors is not None and not 1 <= s.anchors <= fp.num_layers:
-        raise ValueError(f"--anchors must be in 1..{fp.num_layers} (the model's layer count), got {s.anchors}")
-    wins = dev_windows(tok, data=s.data, field=s.text_field, seq_len=s.seq_len, count=s.samples + s.holdout_windows,
-                       seed=s.seed)
-    stats = collect_stats(model, wins[: s.samples], k=s.k, tile=s.tile)
+    stats = collect_stats(model, wins.stats[: s.samples], k=s.k, tile=s.tile)
     max_a = min(s.max_anchors, fp.num_layers)
     table = objective_table(stats, max_a)
     measured = {}
     if s.target_agreement is not None:
-        num_anchors = _fewest_anchors(model, fp, stats, wins[s.samples :], s, max_a, measured)
+        num_anchors = _fewest_anchors(model, fp, stats, wins.stats[s.samples :], s, max_a, measured)
     else:
         num_anchors = s.anchors
-    plan = plan_from_stats(fp, stats, num_anchors, **s.budget)
-    if s.method != "faithful":
-        plan = _method_plan(s, model, tok, stats, num_anchors)
-    r = dict(plan=plan, stats=stats, table=table, out=Path(s.out), measured=measured)
+    if s.method == "faithful":
+        plan = plan_from_stats(fp, stats, num_anchors, **s.budget)
+    else:
+        plan = _method_plan(s, model, stats, num_anchors, wins)
+    moved = None
+    if s.tensor_parallel is not None:
+        moved = len(plan.crossing_links(s.tensor_parallel))
+        plan = plan.for_tensor_parallel(s.tensor_parallel, stats.similarity)
+    r = dict(plan=plan, stats=stats, table=table, out=out, measured=measured, settings=s, moved_links=moved)
     r["pictures"] = write(r)
     return r
 
 
 def _fewest_anchors(model, fp, stats, holdout, s: Settings, max_a: int, measured: dict) -> int:
-    """The fewest anchors (from 2) whose DP plan reaches ``s.target_agreement`` on the held-out windows; each
-    measured plan's fidelity goes into ``measured``."""
+    """The fewest anchors (from 2) whose DP plan (made shard-local with ``s.tensor_parallel``) reaches
+    ``s.target_agreement`` on the held-out windows; each measured plan's fidelity goes into ``measured``."""
     ref = DenseReference(model, holdout)
     for A in range(2, max_a + 1):
         plan = plan_from_stats(fp, stats, A, **s.budget)
+        if s.tensor_parallel is not None:
+            plan = plan.for_tensor_parallel(s.tensor_parallel, stats.similarity)
         fid = measured[A] = pool(ref.compare(plan))
         print(f"  A={A:2d} anchors {list(plan.anchors)}: held-out {fid}", flush=True)
         if fid.top1_agreement >= s.target_agreement:
@@ -195,24 +346,13 @@ def _fewest_anchors(model, fp, stats, holdout, s: Settings, max_a: int, measured
                      f"held-out windows (best: {max(f.top1_agreement for f in measured.values()):.4f})")
 
 
-def _method_plan(s: Settings, model, tok, stats, num_anchors: int) -> KascadePlan:
+def _method_plan(s: Settings, model, stats, num_anchors: int, wins: _Windows) -> KascadePlan:
     """A method other than ``faithful`` on top of the same statistics; ``s.lengths`` adds statistics at other
     lengths (length-aware plans, one search per length)."""
-    lengths = sorted(set(s.lengths or [s.seq_len]))
-    by_len = {s.seq_len: stats} if s.seq_len in lengths else {}
-    for n in lengths:
-        if n not in by_len:
-            by_len[n] = collect_stats(model, dev_windows(tok, data=s.data, field=s.text_field, seq_len=n,
-                                                         count=s.samples, seed=s.seed), k=s.k, tile=s.tile)
-    search = None
-    if s.method in ("search", "measured"):
-        # scored on other development windows than the statistics' (another seed; with --data, the texts after
-        # those of the statistics and the holdout)
-        used = s.samples + s.holdout_windows
-        search = {n: dev_windows(tok, data=s.data, field=s.text_field, seq_len=n, count=s.search_windows,
-                                 seed=s.seed + 11, skip=used,
-                                 need="--samples, --holdout and --search-windows") for n in lengths}
-    return plan_from_method(s.method, model, by_len, num_anchors, rule=s.rule, search_windows=search,
+    by_len = {s.seq_len: stats} if s.seq_len in s.lengths_to_run else {}
+    for n, w in wins.by_length.items():
+        by_len[n] = collect_stats(model, w, k=s.k, tile=s.tile)
+    return plan_from_method(s.method, model, by_len, num_anchors, rule=s.rule, search_windows=wins.search,
                             max_evals=s.search_evals, budget=s.budget, log=print)
 
 
@@ -249,7 +389,16 @@ def report(r: dict) -> str:
         lines.append(f"{row['anchors']:3d} {row['objective']:10.4f} {row['fraction']:14.4f}  {row['layers']}{mark}")
     reuse = [b for b in range(plan.num_layers) if not plan.is_anchor(b)]
     remapped = sum(plan.head_map[b] != tuple(range(plan.fingerprint.num_kv_heads)) for b in reuse)
-    lines += ["", f"plan: anchors {list(plan.anchors)}; {remapped} of {len(reuse)} reuse layers follow other heads",
-              f"wrote {r['out'] / 'plan.json'}, stats.json, objective.csv"
-              + "".join(f", {p.name}" for p in r["pictures"])]
+    lines += ["", f"plan: anchors {list(plan.anchors)}; {remapped} of {len(reuse)} reuse layers follow other heads"]
+    if r.get("moved_links") is not None:
+        lines.append(f"      shard-local for {plan.tensor_parallel} tensor-parallel ranks: {r['moved_links']} links "
+                     "that crossed ranks follow the most similar anchor head of their own rank")
+    s = r.get("settings")
+    if s is not None and s.data is not None:
+        n = s.texts_used
+        lines.append(f"used texts 1..{n} of {s.data} (statistics {s.samples}, held-out {s.holdout_windows}, search "
+                     f"{s.search_texts}); to evaluate on the texts after them: kascade eval --data {s.data} "
+                     f"--skip-texts {n}")
+    lines.append(f"wrote {r['out'] / 'plan.json'}, stats.json, objective.csv"
+                 + "".join(f", {p.name}" for p in r["pictures"]))
     return "\n".join(lines)

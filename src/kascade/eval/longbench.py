@@ -76,27 +76,42 @@ DATASET_METRIC = {
 
 def score(dataset: str, prediction: str, answers: list[str]) -> float:
     """LongBench's score: the dataset's metric, maximised over the gold answers."""
+    if not answers:
+        raise ValueError("a LongBench sample needs at least one gold answer")
     metric = METRICS[DATASET_METRIC.get(dataset, "qa_f1")]
     return max(metric(prediction, a) for a in answers)
 
 
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def load(path: str | Path, limit: int | None = None) -> list[Sample]:
-    """Samples from a LongBench-format JSONL file; ValueError naming the line for a malformed record."""
-    path = Path(path)
+    """Samples from a LongBench-format JSONL file (at most ``limit``); ValueError naming the line for a malformed
+    record: a missing field, a ``context`` / ``input`` / ``dataset`` that is not a string, ``answers`` that are not
+    one non-empty string or a non-empty list of them. The whole file is checked, so a bad record stops a run before
+    it starts rather than in its middle."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"no LongBench file at {path}")
+        raise FileNotFoundError(f"no LongBench file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
     out = []
     for n, rec in iter_jsonl(path):
         missing = [f for f in FIELDS if f not in rec]
         if missing:
             raise ValueError(f"{path}:{n}: missing LongBench field(s) {missing}")
-        answers = rec["answers"] if isinstance(rec["answers"], list) else [rec["answers"]]
-        prompt = (f"Read the text below and answer the question.\n\n{rec['context']}\n\n"
-                  f"Question: {rec['input']}\nAnswer:")
-        out.append(Sample(task=f"longbench/{rec['dataset']}", prompt=prompt, answers=[str(a) for a in answers],
-                          max_new_tokens=64, meta=dict(dataset=rec["dataset"], line=n)))
-        if limit and len(out) >= limit:
-            break
+        for f in ("context", "input", "dataset"):
+            if not isinstance(rec[f], str):
+                raise ValueError(f"{path}:{n}: {f!r} must be a string, got {_short(rec[f])}")
+        answers = [rec["answers"]] if isinstance(rec["answers"], str) else rec["answers"]
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise ValueError(f"{path}:{n}: 'answers' must be a non-empty list of non-empty strings (the gold answers), "
+                             f"got {_short(rec['answers'])}")
+        if limit is None or len(out) < limit:
+            prompt = (f"Read the text below and answer the question.\n\n{rec['context']}\n\n"
+                      f"Question: {rec['input']}\nAnswer:")
+            out.append(Sample(task=f"longbench/{rec['dataset']}", prompt=prompt, answers=list(answers),
+                              max_new_tokens=64, meta=dict(dataset=rec["dataset"], line=n)))
     if not out:
         raise ValueError(f"{path} holds no LongBench records")
     return out

@@ -1,25 +1,50 @@
-"""`kascade eval`: every strategy on every task through the same attention path; files a person can read."""
+"""`kascade eval`: every strategy on every task through the same attention path; files a person can read.
+
+    r = evaluate(Settings(strategies=("dense", "kascade"), tasks=("fidelity",), lengths=(2048,), out="ev"))
+
+:func:`evaluate` checks everything it can before the model's weights are read (the output folder, the files, then
+the model's shape and the token windows from its config and tokenizer), then runs every (strategy, task, length,
+sample) in turn. Each finished row is appended to ``rows.jsonl`` in the output folder and the summary files are
+rewritten after every sample, so an interrupted run keeps what it finished; run again with the same settings and
+the same folder, it skips the rows already there (:class:`Results`).
+"""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import os
+import platform
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
-from .. import text
+from .. import models, text
+from ..calibrate.pipeline import check_out, load_texts
 from ..fidelity import DenseReference
 from ..integration.hf import enable
+from ..plan import KascadePlan, ModelFingerprint
 from ..plots import pyplot
 from . import longbench, ruler
-from .strategies import make_strategy
+from .strategies import STRATEGIES, available, make_strategy
 
 FIDELITY = "fidelity"
 TASKS = (FIDELITY, *ruler.TASKS)
+MIN_FIDELITY_LENGTH = 2  # one scored position
+MIN_RULER_LENGTH = 256  # below it the instructions and needles alone overrun the length
+ROWS, RUN = "rows.jsonl", "run.json"
+# the settings that define a folder's rows (Settings.defining), as the command names them; files count by content
+FLAGS = dict(model="--model", dtype="--device (dtype)", seed="--seed", samples="--samples", plan="--plan",
+             ratio="--ratio", k_min="--k-min", omnikv_layer="--omnikv-layer", longbench="--longbench", data="--data",
+             text_field="--text-field", skip_texts="--skip-texts")
+FILES = ("plan", "longbench", "data")
 
 
 def _attended_fraction(runtime) -> tuple[float, dict[int, float]]:
@@ -48,11 +73,16 @@ class Session:
         return enable(self.model, plan, backend=self.backend, selector=selector, account=True,
                       warn_uncalibrated=False)
 
-    @torch.no_grad()
-    def generate(self, name: str, sample: ruler.Sample):
+    def prompt(self, sample: ruler.Sample) -> dict:
+        """The chat-formatted prompt of ``sample``: ``{input_ids, attention_mask}`` on the model's device."""
         ids = self.tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
-        ids = {k: v.to(self.dev) for k, v in ids.items()}
+        return {k: v.to(self.dev) for k, v in ids.items()}
+
+    @torch.no_grad()
+    def generate(self, name: str, sample: ruler.Sample, ids: dict | None = None):
+        """``(prediction, attended fraction, per layer, seconds, prompt tokens)`` of ``sample`` under ``name``."""
+        ids = self.prompt(sample) if ids is None else ids
         handle = self._ctx(name)
         t0 = time.perf_counter()
         try:
@@ -66,11 +96,12 @@ class Session:
         frac, per_layer = _attended_fraction(handle.runtime if handle else None)
         return pred, frac, per_layer, time.perf_counter() - t0, ids["input_ids"].shape[1]
 
-    def fidelity(self, window: torch.Tensor):
-        """Per strategy: top-1 agreement and KL vs dense, and NLL of the true next tokens (second half scored)."""
+    def fidelity(self, window: torch.Tensor, names=None):
+        """Per strategy (``names``, default all): top-1 agreement and KL vs dense, and NLL of the true next tokens
+        (second half scored)."""
         ref = DenseReference(self.model, [window])
         res = {}
-        for name in self.strategies:
+        for name in self.strategies if names is None else names:
             handle = self._ctx(name)
             try:
                 (f,) = ref.baseline() if handle is None else ref.measure()
@@ -83,31 +114,314 @@ class Session:
         return res
 
 
+def row_key(row: dict) -> tuple:
+    """What identifies a row within one output folder: ``(strategy, task, length, sample)``."""
+    return row["strategy"], row["task"], row["length"], row["sample"]
+
+
+def _job(sess, tok, task, L, i, *, strategies, samples, seed, lb, done, windows, fid_windows) -> list[dict]:
+    """The rows of one sample (every strategy not in ``done``): fidelity on a window, or a generated answer."""
+    new = []
+    if task == FIDELITY:
+        names = [s for s in strategies if (s, task, L, i) not in done]
+        if names:
+            if L not in fid_windows:
+                fid_windows[L] = windows[L] if windows else text.windows(tok, "eval", L, samples, seed=seed)
+            for name, r in sess.fidelity(fid_windows[L][i], names).items():
+                new.append(dict(strategy=name, task=task, length=L, sample=i, score=r["agreement"], **r))
+        return new
+    if task == "longbench":
+        sample = lb[i]
+        ids = sess.prompt(sample)
+        length = ids["input_ids"].shape[1]
+    else:
+        if all((s, task, L, i) in done for s in strategies):
+            return new
+        sample, ids, length = ruler.generate(task, tok, L, seed * 1000 + i), None, L
+    for name in strategies:
+        if (name, sample.task, length, i) in done:
+            continue
+        pred, frac, per_layer, secs, n_tok = sess.generate(name, sample, ids)
+        sc = (longbench.score(sample.meta["dataset"], pred, sample.answers) if task == "longbench"
+              else ruler.string_match_all(pred, sample.answers))
+        new.append(dict(strategy=name, task=sample.task, length=length, sample=i, score=sc, attended_fraction=frac,
+                        attended_per_layer=per_layer, prediction=pred, answers=sample.answers, prompt_tokens=n_tok,
+                        seconds=secs))
+    return new
+
+
 def run(model, tok, *, strategies, tasks, lengths, samples, seed=0, plan=None, budget=None, longbench_file=None,
-        longbench_limit=None, omnikv_layer=2, progress=True) -> list[dict]:
-    """All (strategy, task, length, sample) rows."""
+        longbench_limit=None, omnikv_layer=2, progress=True, windows=None, results: "Results | None" = None
+        ) -> list[dict]:
+    """All (strategy, task, length, sample) rows.
+
+    ``windows`` (``{length: [1-D token tensors]}``, ``samples`` per length) are the fidelity task's text; default:
+    windows of the evaluation split of pydoc_data.topics (``seed`` picks). With ``results``, the rows it holds are
+    skipped, every new row is appended to it as soon as its sample is done and its summary files are rewritten;
+    the rows returned are then all of its rows."""
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(TASKS)}")
     sess = Session(model, tok, strategies, plan=plan, budget=budget, omnikv_layer=omnikv_layer)
     lb = longbench.load(longbench_file, limit=longbench_limit) if longbench_file else []
+    done = results.done if results is not None else set()
     jobs = [(t, L, i) for L in lengths for t in tasks for i in range(samples)] + [("longbench", None, i) for i in range(len(lb))]
+    fid_windows = {}
     rows = []
-    for task, L, i in tqdm(jobs, desc="eval", unit="sample", disable=not progress):
-        if task == FIDELITY:
-            win = text.windows(tok, "eval", L, samples, seed=seed)[i]
-            for name, r in sess.fidelity(win).items():
-                rows.append(dict(strategy=name, task=task, length=L, sample=i, score=r["agreement"], **r))
-            continue
-        sample = lb[i] if task == "longbench" else ruler.generate(task, tok, L, seed * 1000 + i)
-        for name in strategies:
-            pred, frac, per_layer, secs, n_tok = sess.generate(name, sample)
-            sc = (longbench.score(sample.meta["dataset"], pred, sample.answers) if task == "longbench"
-                  else ruler.string_match_all(pred, sample.answers))
-            rows.append(dict(strategy=name, task=sample.task, length=L or n_tok, sample=i, score=sc,
-                             attended_fraction=frac, attended_per_layer=per_layer, prediction=pred,
-                             answers=sample.answers, prompt_tokens=n_tok, seconds=secs))
+    with tqdm(jobs, desc="eval", unit="sample", disable=not progress) as bar:  # closed (its line ended) on Ctrl-C
+        for task, L, i in bar:
+            bar.set_postfix_str(f"{task} {L or ''} #{i}")
+            new = _job(sess, tok, task, L, i, strategies=strategies, samples=samples, seed=seed, lb=lb, done=done,
+                       windows=windows, fid_windows=fid_windows)
+            rows += new
+            if results is not None and new:
+                results.add(new)
+                results.write(chart=False)
+    return rows if results is None else list(results.rows)
+
+
+def _digest(path) -> str | None:
+    """A short content digest of a file (None for no file): a run's files are compared by content."""
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
+
+
+class Results:
+    """The rows of one output folder: ``rows.jsonl`` (one finished row per line, appended as rows finish),
+    ``run.json`` (the settings that define the rows) and the summary files (:func:`write`), rewritten from all rows.
+
+    Opening a folder that holds rows made with other settings is refused (ValueError naming them): rows of two
+    settings never mix in one folder."""
+
+    def __init__(self, out: str | Path, settings: dict, header: str = ""):
+        self.out, self.header = Path(out), header
+        settings = json.loads(json.dumps(settings))  # as it reads back
+        run_file, rows_file = self.out / RUN, self.out / ROWS
+        self.rows: list[dict] = []
+        if run_file.is_file():
+            try:
+                before = json.loads(run_file.read_text())
+            except json.JSONDecodeError:
+                before = None
+            if not isinstance(before, dict):
+                raise ValueError(f"--out {self.out}: {RUN} is not a settings record; remove it or use another --out")
+            diff = [k for k in sorted(set(before) | set(settings)) if before.get(k) != settings.get(k)]
+            if diff:
+                said = "; ".join(_difference(k, before.get(k), settings.get(k)) for k in diff)
+                raise ValueError(f"--out {self.out} holds results of other settings ({said}): run with the same "
+                                 "settings to resume them, or give another --out")
+            self.rows = _read_rows(rows_file)
+        elif rows_file.exists():
+            raise ValueError(f"--out {self.out} holds {ROWS} without {RUN} (the settings that made the rows): remove "
+                             "them or use another --out")
+        self.settings = settings
+        self.done = {row_key(r) for r in self.rows}
+
+    def add(self, rows: list[dict]) -> None:
+        """Append finished rows (flushed to disk before returning); the first ones write ``run.json`` too (a run
+        refused before its first row leaves the folder as it was)."""
+        if not (self.out / RUN).is_file():
+            _write_text(self.out / RUN, json.dumps(self.settings, indent=1) + "\n")
+        with open(self.out / ROWS, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows += json.loads(json.dumps(rows))  # as they read back (per-layer keys become strings)
+        self.done |= {row_key(r) for r in rows}
+
+    def write(self, chart: bool = True) -> dict:
+        return write(self.rows, self.out, self.header, chart=chart)
+
+
+def _difference(key: str, before, now) -> str:
+    flag = FLAGS.get(key, key)
+    if key in FILES:
+        if before is None or now is None:
+            return f"{flag} {'none' if before is None else 'given'} there, {'none' if now is None else 'given'} now"
+        return f"{flag}: another file (or the file changed)"
+    return f"{flag} {before!r} there, {now!r} now"
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The rows of ``rows.jsonl``; a last line cut short (the run was stopped while writing it) is dropped and the
+    file rewritten without it."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise ValueError(f"{path}:{n}: not a result row (invalid JSON); remove the folder or use another "
+                                 "--out") from None
+            _write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+def _write_text(path: Path, content: str) -> None:
+    """Write a file whole or not at all (an interrupted write leaves the previous version)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(content)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `kascade eval` runs with (the command's flags). Every value that does not depend on the model is checked
+    here; the rest (strategies, the plan's shape, windows of --data) against the model's config and tokenizer."""
+
+    out: str | Path = "kascade-eval"
+    model: str | Path | None = None  # None: the embedded default model
+    device: str = "cpu"  # cpu runs fp32, anything else bf16
+    strategies: tuple[str, ...] | None = None  # None: every strategy that runs on the model
+    tasks: tuple[str, ...] | None = None  # None: see ``tasks_to_run``
+    lengths: tuple[int, ...] = (2048,)
+    samples: int = 2
+    seed: int = 0
+    plan: str | Path | None = None  # plan JSON of the kascade strategies (None: the shipped plan)
+    ratio: float | None = None  # budget overrides for every strategy
+    k_min: int | None = None
+    omnikv_layer: int = 2
+    longbench: str | Path | None = None
+    longbench_limit: int | None = None
+    data: str | Path | None = None  # the fidelity task's text (None: pydoc_data.topics' evaluation split)
+    text_field: str = "text"
+    skip_texts: int = 0  # texts of ``data`` left out from its start
+
+    def __post_init__(self):
+        for name in ("strategies", "tasks", "lengths"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for flag, value, low in (("--samples", self.samples, 1), ("--seed", self.seed, 0),
+                                 ("--omnikv-layer", self.omnikv_layer, 1), ("--skip-texts", self.skip_texts, 0),
+                                 ("--k-min", self.k_min, 1), ("--longbench-limit", self.longbench_limit, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        r = self.ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1):
+            raise ValueError(f"--ratio must be a fraction of the keys in (0, 1], got {r!r}")
+        for flag, given, known in (("--strategies", self.strategies, STRATEGIES), ("--tasks", self.tasks, TASKS)):
+            bad = [x for x in given or () if x not in known]
+            if bad or given == ():
+                raise ValueError(f"{flag}: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'none given'}; choose "
+                                 f"from {', '.join(known)}")
+        tasks = self.tasks_to_run
+        if not tasks and self.longbench is None:
+            raise ValueError("nothing to run: give --tasks or --longbench")
+        if self.data is not None and FIDELITY not in tasks:
+            raise ValueError("--data is the text of the fidelity task: add fidelity to --tasks")
+        if self.data is None and (self.skip_texts or self.text_field != "text"):
+            raise ValueError("--skip-texts and --text-field apply to --data")
+        if self.longbench is None and self.longbench_limit is not None:
+            raise ValueError("--longbench-limit applies to --longbench")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"--text-field must name a field, got {self.text_field!r}")
+        if tasks:
+            if not self.lengths:
+                raise ValueError("--lengths needs at least one length")
+            low = MIN_RULER_LENGTH if set(tasks) - {FIDELITY} else MIN_FIDELITY_LENGTH
+            for n in self.lengths:
+                if isinstance(n, bool) or not isinstance(n, int) or n < low:
+                    why = ("the RULER tasks' instructions and needles need room" if low == MIN_RULER_LENGTH
+                           else "the fidelity task scores at least one next token")
+                    raise ValueError(f"--lengths must be at least {low} tokens ({why}), got {n!r}")
+
+    @property
+    def tasks_to_run(self) -> tuple[str, ...]:
+        """``tasks``, else: fidelity with ``data``, nothing more with ``longbench``, else fidelity and
+        niah_single_number."""
+        if self.tasks is not None:
+            return self.tasks
+        if self.data is not None:
+            return (FIDELITY,)
+        return () if self.longbench is not None else (FIDELITY, "niah_single_number")
+
+    @property
+    def budget(self) -> dict | None:
+        b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min).items() if v is not None}
+        return b or None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.device == "cpu" else torch.bfloat16
+
+    def defining(self) -> dict:
+        """The settings a row's values depend on (beyond its strategy, task, length and sample): a folder holds rows
+        of one such record (:class:`Results`). Files count by their content."""
+        d = dict(model=str(self.model) if self.model is not None else "default", dtype=str(self.dtype),
+                 seed=self.seed, samples=self.samples, plan=_digest(self.plan), ratio=self.ratio, k_min=self.k_min,
+                 omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
+        if self.data is not None:
+            d.update(text_field=self.text_field, skip_texts=self.skip_texts)
+        return d
+
+
+def data_windows(tok, texts: list[str], lengths, samples: int, *, skip: int = 0, source="--data") -> dict:
+    """``{length: samples windows}`` cut from ``texts[skip:]`` (:func:`kascade.text.cut_windows`); ValueError when
+    the texts hold too few."""
+    out = {}
+    for n in lengths:
+        wins = text.cut_windows(tok, texts[skip:], n, samples)
+        if len(wins) < samples:
+            after = f" after the first {skip}" if skip else ""
+            raise ValueError(f"{source}: the texts{after} hold {len(wins)} window(s) of {n} tokens (a window lies "
+                             f"within one text); --samples {samples} needs {samples}: give more text, fewer --samples "
+                             "or shorter --lengths")
+        out[n] = wins
+    return out
+
+
+def evaluate(settings: Settings, *, progress: bool = True) -> dict:
+    """Run `kascade eval` (module docstring); ``{summary, markdown, files, rows}``."""
+    s = settings
+    out = check_out(s.out)
+    plan = KascadePlan.load(s.plan) if s.plan is not None else None
+    texts = load_texts(s.data, s.text_field) if s.data is not None else None
+    if texts is not None and len(texts) <= s.skip_texts:
+        raise ValueError(f"{s.data} holds {len(texts)} text(s); --skip-texts {s.skip_texts} leaves none")
+    if s.longbench is not None:
+        longbench.load(s.longbench, limit=s.longbench_limit)  # refuses a malformed record now
+    tasks = s.tasks_to_run
+    dev = torch.cuda.get_device_name(s.device) if s.device.startswith("cuda") else f"CPU ({platform.machine()})"
+    header = (f"machine: {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
+              f"model {s.model or 'SmolLM2-135M-Instruct (default)'}; seed {s.seed}; "
+              f"{s.samples} sample(s) per task and length" + (f"; fidelity on {s.data}" if s.data else ""))
+    results = Results(out, s.defining(), header)
+    ready = []
+
+    def prepare(config, tok):
+        shape = SimpleNamespace(config=config)  # what the strategies read of a model
+        fp = ModelFingerprint.from_config(config)
+        if plan is not None and plan.fingerprint != fp:
+            raise ValueError(f"--plan {s.plan} was made for another model: "
+                             + "; ".join(plan.fingerprint.differences(fp)))
+        strategies = list(s.strategies or available(shape))
+        for name in strategies:
+            make_strategy(name, shape, plan, omnikv_layer=s.omnikv_layer, budget=s.budget)
+        windows = None
+        if texts is not None:
+            windows = data_windows(tok, texts, s.lengths, s.samples, skip=s.skip_texts, source=str(s.data))
+        if set(tasks) - ({FIDELITY} if texts is not None else set()):
+            have = len(text.split_ids(tok, "eval"))
+            if max(s.lengths) > have:
+                raise ValueError(f"--lengths {max(s.lengths)} is longer than the evaluation text of pydoc_data.topics "
+                                 f"({have} tokens for this tokenizer)")
+        ready.append((strategies, windows))
+
+    model, tok = models.load_model(s.model, device=s.device, dtype=s.dtype, check=prepare)
+    if not ready:  # a loader that does not call ``check``
+        prepare(model.config, tok)
+    strategies, windows = ready[0]
+    run(model, tok, strategies=strategies, tasks=tasks, lengths=s.lengths, samples=s.samples, seed=s.seed,
+        plan=plan, budget=s.budget, longbench_file=s.longbench, longbench_limit=s.longbench_limit,
+        omnikv_layer=s.omnikv_layer, progress=progress, windows=windows, results=results)
+    r = results.write(chart=True)
+    r["rows"] = results.rows
+    return r
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -140,23 +454,29 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: list[dict], out: Path, header: str = "") -> dict:
+def write(rows: list[dict], out: Path, header: str = "", chart: bool = True) -> dict:
+    """results.json, results.csv and summary.md (and, with ``chart``, scores.png) of ``rows`` into ``out``; each file
+    replaced whole, so an interrupted write leaves the previous version."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(rows)
-    (out / "results.json").write_text(json.dumps(dict(header=header, rows=rows, summary=summ), indent=1) + "\n")
+    _write_text(out / "results.json", json.dumps(dict(header=header, rows=rows, summary=summ), indent=1) + "\n")
     keys = ["strategy", "task", "length", "sample", "score", "attended_fraction", "kl", "nll", "prediction", "answers"]
-    with open(out / "results.csv", "w", newline="") as f:
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({**r, "answers": " | ".join(r.get("answers", []))})
+    os.replace(tmp, out / "results.csv")
     md = (f"{header}\n\n" if header else "") + table(summ) + "\n"
-    (out / "summary.md").write_text(md)
+    _write_text(out / "summary.md", md)
     files = [out / "results.json", out / "results.csv", out / "summary.md"]
-    try:
-        files.append(_chart(summ, out / "scores.png"))
-    except ImportError as e:
-        print(f"note: no chart written ({e})")
+    if chart:
+        try:
+            files.append(_chart(summ, out / "scores.png"))
+        except ImportError as e:
+            print(f"note: no chart written ({e})")
     return dict(summary=summ, markdown=md, files=files)
 
 
