@@ -188,11 +188,11 @@ def test_ranked_plan_refuses_a_custom_selector():
 
 def test_enable_uses_a_shipped_variant_plan(monkeypatch):
     """Making a variant the default is shipping its plan: enable(model) with no plan runs whatever it holds."""
-    import kascade.plan as plan_mod
+    import kascade.plan.shipped as shipped_mod
 
     model = _model()
     shipped = dataclasses.replace(_base(model).with_reuse(sinks=4, recent=0.5), calibrated=True)
-    monkeypatch.setattr(plan_mod, "shipped_plans", lambda: [KascadePlan.from_json(shipped.to_json())])
+    monkeypatch.setattr(shipped_mod, "shipped_plans", lambda: [KascadePlan.from_json(shipped.to_json())])
     ids = _ids(300)
     with torch.no_grad(), kascade.enable(model) as h:
         got = model(ids).logits

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .plan import KascadePlan, ModelFingerprint, _is_int, _is_number
-from .reuse import Reuse
+from .kascade_plan import KascadePlan, ModelFingerprint
+from .reuse_rule import Reuse, _is_int, _is_number
 
 FORMAT = "kascade-plan/3"
 FORMATS = ("kascade-plan/1", "kascade-plan/2", FORMAT)

@@ -3,7 +3,8 @@
 A plan is made once per model (by calibration, or the uncalibrated uniform default), saved as JSON, and checked
 against the model it is enabled on through a fingerprint of the attention shapes.
 
-The JSON form is :mod:`kascade.plan_json`'s.
+The JSON form is :mod:`kascade.plan.json_form`'s; the plans that ship with the package are in
+:mod:`kascade.plan.shipped`.
 """
 
 from __future__ import annotations
@@ -11,22 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 from dataclasses import dataclass
 from functools import cached_property
-from importlib import resources
 from pathlib import Path
 
-from .budget import Budget
-from .reuse import Reuse
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+from ..budget import Budget
+from .reuse_rule import Reuse, _is_int
 
 
 def _ints(name: str, values) -> tuple[int, ...]:
@@ -128,7 +119,7 @@ class KascadePlan:
         if not isinstance(self.source, str):
             raise TypeError(f"source must be a string, got {self.source!r}")
         if not isinstance(self.reuse, Reuse):
-            raise TypeError(f"reuse must be a kascade.reuse.Reuse, got {type(self.reuse).__name__}")
+            raise TypeError(f"reuse must be a kascade.plan.Reuse, got {type(self.reuse).__name__}")
         fp = self.fingerprint
         n, H = fp.num_layers, fp.num_kv_heads
         a = self.anchors
@@ -353,16 +344,16 @@ class KascadePlan:
 
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan_json`)."""
-        from .plan_json import to_dict
+        """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan.json_form`)."""
+        from .json_form import to_dict
 
         return to_dict(self)
 
     @classmethod
     def from_dict(cls, d) -> "KascadePlan":
-        """A plan from its JSON form (any format :mod:`kascade.plan_json` reads), checked strictly; ValueError naming
+        """A plan from its JSON form (any format :mod:`kascade.plan.json_form` reads), checked strictly; ValueError naming
         the field."""
-        from .plan_json import from_dict
+        from .json_form import from_dict
 
         return from_dict(d)
 
@@ -386,46 +377,3 @@ class KascadePlan:
         if not path.is_file():
             raise ValueError(f"no plan file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
         return cls.from_json(path.read_text())
-
-
-# Shipped plans: ``plans/<model>.json`` is the default; ``plans/<variant>/<model>.json`` are the alternatives a user
-# can name (``enable(model, plan="faithful")``).
-SHIPPED_VARIANTS = {
-    "default": "the library's default, the most accurate at the paper's cost: anchors chosen by measured fidelity, "
-               "per-layer budgets from each layer's measured sensitivity (same average budget; its anchors rank up "
-               "to 2x deeper, see docs/variants)",
-    "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
-                "cheapest decode selection)",
-    "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
-}
-def shipped_plans(variant: str = "default") -> list[KascadePlan]:
-    """The calibrated plans that ship inside the package for ``variant`` (see :data:`SHIPPED_VARIANTS`)."""
-    if variant not in SHIPPED_VARIANTS:
-        raise ValueError(f"unknown shipped plan variant {variant!r}; choose from {', '.join(SHIPPED_VARIANTS)}")
-    folder = resources.files("kascade") / "plans"
-    if variant != "default":
-        folder = folder / variant
-    if not folder.is_dir():
-        return []
-    return [KascadePlan.from_json(f.read_text()) for f in sorted(folder.iterdir(), key=lambda f: f.name)
-            if f.name.endswith(".json")]
-
-
-def shipped_plan(model, variant: str = "default") -> KascadePlan:
-    """The shipped ``variant`` plan for ``model``'s shape; ValueError (listing what exists) if there is none."""
-    fp = ModelFingerprint.from_model(model)
-    for plan in shipped_plans(variant):
-        if plan.fingerprint == fp:
-            return plan
-    have = [v for v in SHIPPED_VARIANTS if any(p.fingerprint == fp for p in shipped_plans(v))]
-    raise ValueError(f"no shipped {variant!r} plan for this model ({fp}); shipped for it: {have or 'none'} "
-                     "(make one with `kascade calibrate`)")
-
-
-def default_plan(model, num_anchors: int = 6) -> KascadePlan:
-    """The shipped calibrated plan whose fingerprint matches ``model``, else the uncalibrated uniform plan."""
-    fp = ModelFingerprint.from_model(model)
-    for plan in shipped_plans():
-        if plan.fingerprint == fp:
-            return plan
-    return KascadePlan.uniform(fp, num_anchors=min(num_anchors, fp.num_layers))

@@ -1,0 +1,53 @@
+"""The calibrated plans that ship inside the package, and the default plan of a model.
+
+``kascade/plans/<model>.json`` is the default; ``kascade/plans/<variant>/<model>.json`` are the alternatives a user
+can name (``enable(model, plan="faithful")``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from .kascade_plan import KascadePlan, ModelFingerprint
+
+SHIPPED_VARIANTS = {
+    "default": "the library's default, the most accurate at the paper's cost: anchors chosen by measured fidelity, "
+               "per-layer budgets from each layer's measured sensitivity (same average budget; its anchors rank up "
+               "to 2x deeper, see docs/variants)",
+    "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
+                "cheapest decode selection)",
+    "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
+}
+
+
+def shipped_plans(variant: str = "default") -> list[KascadePlan]:
+    """The calibrated plans that ship inside the package for ``variant`` (see :data:`SHIPPED_VARIANTS`)."""
+    if variant not in SHIPPED_VARIANTS:
+        raise ValueError(f"unknown shipped plan variant {variant!r}; choose from {', '.join(SHIPPED_VARIANTS)}")
+    folder = resources.files("kascade") / "plans"
+    if variant != "default":
+        folder = folder / variant
+    if not folder.is_dir():
+        return []
+    return [KascadePlan.from_json(f.read_text()) for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.name.endswith(".json")]
+
+
+def shipped_plan(model, variant: str = "default") -> KascadePlan:
+    """The shipped ``variant`` plan for ``model``'s shape; ValueError (listing what exists) if there is none."""
+    fp = ModelFingerprint.from_model(model)
+    for plan in shipped_plans(variant):
+        if plan.fingerprint == fp:
+            return plan
+    have = [v for v in SHIPPED_VARIANTS if any(p.fingerprint == fp for p in shipped_plans(v))]
+    raise ValueError(f"no shipped {variant!r} plan for this model ({fp}); shipped for it: {have or 'none'} "
+                     "(make one with `kascade calibrate`)")
+
+
+def default_plan(model, num_anchors: int = 6) -> KascadePlan:
+    """The shipped calibrated plan whose fingerprint matches ``model``, else the uncalibrated uniform plan."""
+    fp = ModelFingerprint.from_model(model)
+    for plan in shipped_plans():
+        if plan.fingerprint == fp:
+            return plan
+    return KascadePlan.uniform(fp, num_anchors=min(num_anchors, fp.num_layers))
