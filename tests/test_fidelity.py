@@ -11,11 +11,12 @@ from kascade.fidelity import DenseReference, Fidelity, compare_plans, fidelity, 
 
 def test_fidelity_by_hand():
     d = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    s = torch.tensor([[2.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    s = torch.tensor([[2.0, 0.0, 0.0], [4.0, 0.0, -4.0]])
     t = torch.tensor([0, 2])
     f = fidelity(d, s, targets=t)
     pd, ps = d.double().softmax(-1), s.double().softmax(-1)
-    kl = (pd * (pd.log() - ps.log())).sum(-1)
+    kl = (pd * (pd.log() - ps.log())).sum(-1)  # KL(dense || sparse)
+    assert abs(float(kl.mean()) - float((ps * (ps.log() - pd.log())).sum(-1).mean())) > 0.5  # the direction shows
     assert f.top1_agreement == 0.5 and f.positions == 2
     assert f.kl == pytest.approx(float(kl.mean()), rel=1e-5) and f.kl > 0
     assert f.nll == pytest.approx(float(-(ps[0, 0].log() + ps[1, 2].log()) / 2), rel=1e-5)

@@ -116,7 +116,9 @@ def test_default_model_generate_with_left_padding(default_model):
             for p in prompts]
     enc = tok(msgs, return_tensors="pt", padding=True)
     assert enc.attention_mask[0, 0] == 0  # left-padded
-    plan = kascade.default_plan(model).with_budget(k_min=16)  # small budget: the reuse path does real work
+    # a small budget whose prefill tiles select keys (k_min 48 > tile 16: min(s, 32) each) and whose decode steps
+    # keep 48 of ~90 keys, so the reuse path does real work in both
+    plan = kascade.default_plan(model).with_budget(k_min=48, tile=16)
     gen = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
     with torch.no_grad():
         with kascade.enable(model, plan):

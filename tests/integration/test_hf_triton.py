@@ -24,7 +24,9 @@ def _model_and_plan():
     model = dev(tiny_model("llama", num_key_value_heads=3, num_attention_heads=6, head_dim=16))
     fp = ModelFingerprint.from_model(model)
     # layer 2 follows anchor 1 through a non-identity head map; layer 3 is an anchor
-    plan = KascadePlan(fp, (0, 1, 3), ((0, 1, 2), (0, 1, 2), (2, 0, 1), (0, 1, 2)), ratio=0.1, k_min=16, tile=16)
+    # k_min 40 > tile 16: prefill tiles after the first select min(s, 24) earlier keys (with k_min = tile they would
+    # select none and the reuse layers would attend their own tiles only)
+    plan = KascadePlan(fp, (0, 1, 3), ((0, 1, 2), (0, 1, 2), (2, 0, 1), (0, 1, 2)), ratio=0.1, k_min=40, tile=16)
     return model, plan
 
 

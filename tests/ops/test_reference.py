@@ -9,16 +9,19 @@ from kascade.budget import Budget
 from kascade.ops import dense_attention, reference, select, sparse_attention
 
 # (B, HQ, H, N, L, D, tile, k_min, ratio): odd N, T not dividing N, G in {1, 2, 3, 4, 8}, D in {16, 64, 100, 128}.
+# Every case with more than one tile selects keys, and in the five marked ones the rolling budget binds (the tile
+# budgets differ between rolling and fixed; test_the_cases_exercise_selection_and_the_rolling_budget checks both).
 CASES = [
     (1, 4, 4, 1, 1, 16, 32, 8, 0.1),
-    (1, 2, 1, 37, 37, 16, 8, 4, 0.25),
-    (2, 6, 2, 97, 97, 64, 16, 8, 0.1),
-    (3, 9, 3, 130, 130, 100, 32, 16, 0.2),
-    (2, 8, 2, 257, 257, 16, 32, 24, 0.1),
-    (1, 8, 1, 700, 700, 128, 32, 128, 0.1),
-    (2, 16, 2, 311, 311, 64, 64, 40, 0.15),
+    (1, 2, 1, 37, 37, 16, 8, 2, 0.6),  # rolling binds
+    (2, 6, 2, 97, 97, 64, 16, 8, 0.4),  # rolling binds
+    (3, 9, 3, 130, 130, 100, 16, 16, 0.35),  # rolling binds
+    (2, 8, 2, 257, 257, 16, 32, 8, 0.3),  # rolling binds
+    (1, 8, 1, 700, 700, 128, 32, 128, 0.1),  # k_min dominates
+    (2, 16, 2, 311, 311, 64, 64, 20, 0.45),  # rolling binds
     (2, 4, 4, 150, 150, 16, 32, 128, 0.1),  # budget capped by k(N) - T near the end
 ]
+ROLLING_BINDS = {1, 2, 3, 4, 6}
 
 
 def _inputs(B, HQ, H, N, L, D, dtype=torch.float64, seed=0):
@@ -47,6 +50,25 @@ def _check_sets(sel, sets_per_seq, kv_start):
             got = sel.indices[b, h, row]
             got = set((got[got >= 0] - start).tolist())
             assert got == want, f"seq {b} head {h} row {t}: {sorted(got ^ want)[:10]} differ"
+
+
+def test_the_cases_exercise_selection_and_the_rolling_budget():
+    """The prefill cases are not vacuous: each with a second tile selects keys in every sequence (left padding
+    included), and where marked the rolling and fixed budgets select different keys."""
+    for i, case in enumerate(CASES):
+        B, HQ, H, N, L, D, T, k_min, ratio = case
+        q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N)
+        kv_start = _kv_start(B, N, L, N - L, seed=N)
+        sels = {r: select(q, k, budget=Budget(ratio=ratio, k_min=k_min, tile=T, rolling=r), scale=D**-0.5,
+                          kv_start=kv_start) for r in (True, False)}
+        counts = {r: (s.indices >= 0).sum(dim=(1, 2, 3)) for r, s in sels.items()}  # keys selected per sequence
+        for b in range(B):
+            if N - int(kv_start[b]) > T:
+                assert counts[True][b] > 0 and counts[False][b] > 0, (case, b)
+        if i in ROLLING_BINDS:
+            assert counts[True][0] < counts[False][0], case
+        else:
+            assert torch.equal(counts[True], counts[False]), case
 
 
 @pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "fixed"])
