@@ -39,8 +39,11 @@ def test_eval_end_to_end(tmp_path, default_model, monkeypatch, capsys):
     strategies = {r["strategy"] for r in res["rows"]}
     assert strategies == {"dense", "kascade", "streamingllm"}
     fid = {r["strategy"]: r for r in res["rows"] if r["task"] == "fidelity"}
-    assert fid["dense"]["agreement"] == 1.0 and fid["dense"]["kl"] == 0.0
-    assert fid["kascade"]["attended_fraction"] < 1.0
+    assert fid["dense"]["agreement"] == 1.0 and fid["dense"]["kl"] == 0.0  # the baseline row: dense against itself
+    # the sparse rows compare against dense and differ from it (300 tokens, 128 keys: prefill tiles select up to 96)
+    for name in ("kascade", "streamingllm"):
+        assert fid[name]["kl"] > 1e-4 and 0.5 < fid[name]["agreement"] <= 1.0, fid[name]
+        assert 0.3 < fid[name]["attended_fraction"] < 0.9, fid[name]
     assert (out / "scores.png").stat().st_size > 1000
     with open(out / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(res["rows"])
