@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from kascade.eval import runner
+from kascade.eval import results, runner
 from kascade.eval.strategies import STRATEGIES
 from kascade.models import load_model
 
@@ -37,7 +37,7 @@ def main():
     for L in a.lengths:
         rows += runner.run(model, tok, strategies=a.strategies, tasks=a.tasks, lengths=[L], samples=a.samples,
                            progress=False)
-        r = runner.write(rows, Path(a.out), header)
+        r = results.write(rows, Path(a.out), header)
         print(f"--- after length {L}\n{r['markdown']}", flush=True)
 
 

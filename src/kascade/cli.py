@@ -66,6 +66,7 @@ def _csv(kind, choices):
 
 def _eval(args) -> int:
     from .eval import runner
+    from .eval.results import ROWS
 
     settings = runner.Settings(
         out=args.out, model=args.model, device=args.device, strategies=args.strategies, tasks=args.tasks,
@@ -76,7 +77,7 @@ def _eval(args) -> int:
     print()
     print(r["markdown"])
     print("wrote " + ", ".join(str(f) for f in r["files"]) + f" ({len(r['rows'])} rows in "
-          f"{settings.out}/{runner.ROWS})")
+          f"{settings.out}/{ROWS})")
     return 0
 
 
@@ -189,7 +190,8 @@ def _model_args(p) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .calibrate.pipeline import Settings as CalibrationSettings
-    from .eval.runner import MIN_RULER_LENGTH, ROWS, TASKS
+    from .eval.results import ROWS
+    from .eval.runner import MIN_RULER_LENGTH, TASKS
     from .eval.strategies import STRATEGIES
 
     p = _Parser(

@@ -185,7 +185,7 @@ def _rows(out):
 
 
 def test_rows_are_kept_as_they_finish_and_the_same_command_resumes(tmp_path, tiny, monkeypatch, capsys):
-    from kascade.eval import runner
+    from kascade.eval import results, runner
 
     data = texts_file(tmp_path / "d.jsonl", 3)
     out = tmp_path / "ev"
@@ -214,7 +214,7 @@ def test_rows_are_kept_as_they_finish_and_the_same_command_resumes(tmp_path, tin
     assert main(argv) == 0
     assert len(scored) == 3  # only the third window ran again
     rows = _rows(out)
-    assert len(rows) == 9 and len({runner.row_key(r) for r in rows}) == 9
+    assert len(rows) == 9 and len({results.row_key(r) for r in rows}) == 9
     assert {r["agreement"] for r in rows if r["strategy"] == "dense"} == {1.0}
     assert len(json.loads((out / "results.json").read_text())["rows"]) == 9
     capsys.readouterr()
