@@ -7,17 +7,23 @@ serve that:
 
 - shard-local plans (:meth:`kascade.KascadePlan.for_tensor_parallel`): every link stays within a rank, nothing is
   exchanged;
-- exchange: every anchor's selection is all-gathered across the ranks (:func:`gather_heads`), so any head map works,
-  at the cost of ``B x H x rows x k`` indices (4 bytes each) per anchor and step.
+- exchange: every anchor's selection (layer 0's included) is all-gathered across the ranks (:func:`gather_heads`), so
+  any head map works; each rank receives the other ranks' index tensors, ``(ranks - 1) / ranks`` of the whole
+  selection, per anchor and forward step (:func:`exchange_bytes`, :func:`step_exchange_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from .budget import Budget
 from .ops import Selection
+
+if TYPE_CHECKING:
+    from .plan import KascadePlan
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,67 @@ def gather_heads(sel: Selection, shard: HeadShard) -> Selection:
     return Selection(torch.cat(parts, 1), sel.row_start, sel.tile, sel.decode, sel.ranked, sel.counts)
 
 
-def exchange_bytes(batch: int, num_kv_heads: int, rows: int, keys: int, anchors: int, index_bytes: int = 4) -> int:
-    """Bytes each rank receives per forward step with exchange: every anchor's selection of the other ranks' heads
-    (``batch x heads x rows x keys`` indices; the local part is not sent). Divide by the ranks' count for what one
-    rank contributes."""
-    return batch * num_kv_heads * rows * keys * index_bytes * anchors
+# -- what the exchange costs ----------------------------------------------------------------------------------------
+def bytes_per_index(backend: str, decode: bool) -> int:
+    """Bytes of one index in the selections an anchor makes (what :func:`gather_heads` sends): int32 (4) in a prefill
+    step on the Triton backend (:attr:`kascade.ops.Step.index_dtype`), int64 (8) elsewhere: the reference's
+    selections and the Triton decode selections (:func:`kascade.ops.triton.topk.select_rows`) are int64."""
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
+    return 4 if backend == "triton" and not decode else 8
+
+
+def selection_shape(budget: Budget, keys: int, queries: int = 1, depth: float | None = None) -> tuple[int, int]:
+    """``(rows, width)`` of the index rows one KV head of an anchor sends for a sequence with ``keys`` valid keys
+    whose last ``queries`` are this step's queries (from :mod:`kascade.budget`). Decode (``queries == 1``): one row
+    of ``decode_counts(keys, depth)`` keys. Prefill: a row per query tile of the call, every row padded to the
+    widest (the last tile's count under the rolling budget): the tensor is rectangular, so the exchange sends
+    ``rows x width`` entries, not the sum of the rows' counts. ``depth``: the anchor's
+    :meth:`kascade.KascadePlan.depth` in a ranked plan (None: 1). For a batch, the selection is as wide and as tall
+    as its longest sequence's; for a static-cache decode step on the Triton backend, ``keys`` is the cache's
+    capacity (its launch bound)."""
+    if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
+        raise ValueError(f"keys must be a positive integer, got {keys!r}")
+    if isinstance(queries, bool) or not isinstance(queries, int) or not 1 <= queries <= keys:
+        raise ValueError(f"queries must be an integer in 1..keys={keys}, got {queries!r}")
+    scale = 1.0 if depth is None else float(depth)
+    if queries == 1:
+        return 1, int(budget.decode_counts(keys, scale))
+    n = torch.tensor([keys])
+    first, rows = budget.tiles(n, queries)
+    rows = int(rows[0])
+    counts = budget.row_counts(n, first, rows, scale)
+    return rows, int(counts.max()) if counts.numel() else 0
+
+
+def exchange_bytes(ranks: int, *, batch: int, kv_heads: int, rows: int, width: int, index_bytes: int,
+                   anchors: int = 1) -> int:
+    """Bytes one rank receives in one forward step with ``exchange=True``: for each of ``anchors`` anchor layers
+    (layer 0 counts: its selection is gathered too) the other ``ranks - 1`` ranks' selections of their
+    ``kv_heads / ranks`` heads, each ``[batch, kv_heads / ranks, rows, width]`` indices of ``index_bytes`` bytes
+    (:func:`selection_shape`, :func:`bytes_per_index`). That is ``(ranks - 1) / ranks`` of the whole selection; a rank
+    sends its own part to each of the others, ``1 / ranks`` of it per peer. 0 for one rank."""
+    for name, v in (("ranks", ranks), ("batch", batch), ("kv_heads", kv_heads), ("index_bytes", index_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    for name, v in (("rows", rows), ("width", width), ("anchors", anchors)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    if kv_heads % ranks:
+        raise ValueError(f"{kv_heads} KV heads do not split evenly over {ranks} tensor-parallel ranks")
+    return anchors * batch * (kv_heads // ranks) * (ranks - 1) * rows * width * index_bytes
+
+
+def step_exchange_bytes(plan: KascadePlan, ranks: int, *, batch: int, keys: int, queries: int = 1,
+                        backend: str = "reference") -> int:
+    """:func:`exchange_bytes` of one forward step of ``plan`` (every anchor at its own depth; the sub-plan that
+    serves ``keys``): ``batch`` sequences of ``keys`` valid keys each, the last ``queries`` of them this step's
+    (1: decode), on ``backend``."""
+    p = plan.for_length(keys)
+    size = bytes_per_index(backend, queries == 1)
+    total = 0
+    for a in p.anchors:
+        rows, width = selection_shape(p.budget, keys, queries, p.depth(a) if p.ranked else None)
+        total += exchange_bytes(ranks, batch=batch, kv_heads=p.fingerprint.num_kv_heads, rows=rows, width=width,
+                                index_bytes=size)
+    return total
