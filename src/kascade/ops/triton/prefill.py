@@ -299,8 +299,12 @@ def _geometry(q, k, step, kv_start, q_offset) -> tuple[torch.Tensor, torch.Tenso
     return host.to(torch.int32).to(q.device), host, N - L if q_offset is None else int(q_offset)
 
 
-def _dense_config(G: int, D: int, has_v: bool) -> tuple[int, int, int, int]:
-    """(rows per program M, BLOCK_N, num_warps, num_stages)."""
+def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int, int, int, int]:
+    """(rows per program M, BLOCK_N, num_warps, num_stages) for 16-bit or (``fp32``) fp32 inputs."""
+    if fp32 and D > 64:
+        # fp32 tiles take twice the shared memory: the 16-bit configs below ran out of it on an H200 at D = 128
+        # (fp32 K and V blocks of 128 x 128 in 3 stages); this one needs about half the H200's (not timed)
+        return 64, 64, 4, 2
     if D <= 64:
         return 128, 64, 4, 3
     if D <= 128:  # H200 sweep at N = 32K: dense 17.3 ms with (128, 128, 8, 3); QK-only 10.2 ms with (128, 64, 8, 2)
@@ -335,10 +339,10 @@ def _dense_run(q, k, v, *, scale, kv_start, q_offset, step, has_v, write_lse, ou
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     ks, _, q_offset = _geometry(q, k, step, kv_start, q_offset)
-    M0, bn, nw, ns = _dense_config(G, D, has_v)
+    f32, rne = flags(q)
+    M0, bn, nw, ns = _dense_config(G, D, has_v, q.dtype == torch.float32)
     BQ, M = _rows(G, block_m or M0)
     bn = block_n or bn
-    f32, rne = flags(q)
     if has_v:
         assert v.shape == k.shape and v.stride(-1) == 1
         out = torch.empty_like(q) if out is None else out
@@ -402,7 +406,10 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     M, NSUB = _tile_rows(G, T)
     bn = block_n or (64 if D <= 128 else 32)
     nw = num_warps or 4  # H200 sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms
-    ns = num_stages or (3 if D <= 128 else 2)
+    # A tile of more than M rows reloads its NSUB query blocks for every key block, and pipelining holds each in
+    # every stage: at D = 128 that ran out of shared memory on an H200 (G*T > 128, fp16 / bf16); one stage then
+    # (only those shapes change; not timed)
+    ns = num_stages or (1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2)
     sms = num_sms(dev)
     budgets_t = budgets_host.to(dev)  # [B, R]
     start_t = host_start.to(dev)
