@@ -154,7 +154,7 @@ def test_bad_files_are_refused_in_one_line_before_any_work(tmp_path, tiny, capsy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a CUDA device")
-@pytest.mark.parametrize("command", ["demo", "calibrate", "eval", "bench"])
+@pytest.mark.parametrize("command", ["demo", "calibrate", "eval", "bench", "costs"])
 def test_every_command_refuses_cuda_without_cuda_in_one_line(command, capsys):
     assert "argument --device: 'cuda': this torch" in _error(command, ["--device", "cuda"], capsys)
 
@@ -167,7 +167,7 @@ def test_every_command_refuses_a_folder_as_plan_in_one_line(command, tmp_path, c
 def test_every_help_says_what_each_option_means():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"demo", "calibrate", "eval", "bench"}
+    assert set(commands) == {"demo", "calibrate", "eval", "bench", "costs"}
     history = re.compile(r"\b(issue|new|old|now|previously|no longer)\b|#\d", re.IGNORECASE)
     for name, sub in commands.items():
         assert len(sub.description) > 80 and not history.search(sub.description), name

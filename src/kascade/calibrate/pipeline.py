@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from .. import text
-from ..fidelity import DenseReference, pool
+from ..fidelity import DenseReference
 from ..models import load_model
 from ..plan import KascadePlan, ModelFingerprint
+from . import target
 from .budgets import MEASURED_GRID, layer_sensitivity, measured_budget_plan
 from .dp import dp_anchors, objective_table, plan_from_stats
 from .rules import RULES, fingerprint, length_plan, plan_for_rule
@@ -152,8 +153,12 @@ class Settings:
     text_field: str = "text"
     seq_len: int = 4096
     samples: int = 4  # windows of the statistics
-    anchors: int = 6  # not used with ``target_agreement``
-    target_agreement: float | None = None  # instead of ``anchors``: the fewest reaching it on ``holdout`` windows
+    anchors: int = 6  # not used with a target
+    target_agreement: float | None = None  # instead of ``anchors``: the fastest reaching it on ``holdout`` windows
+    target_speedup: float | None = None  # instead of ``anchors``: the most accurate modelled at least this fast
+    speedup_mode: str = "decode"  # what target_speedup bounds: decode, prefill or both (:mod:`.target`)
+    cost_shape: str | None = None  # whose kernel times model the speedup (None: the model's own, else Llama's)
+    cost_table: str | Path | None = None  # a `kascade costs` file measured on this GPU (None: the shipped H200 times)
     holdout: int = 2
     max_anchors: int = 12
     k: int = DEFAULT_K
@@ -177,9 +182,10 @@ class Settings:
         _int("--seed", self.seed, 0)
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"--ratio must be a fraction of the keys in (0, 1], got {self.ratio!r}")
-        if self.target_agreement is None:
+        target.check_settings(self)
+        if self.target_agreement is None and self.target_speedup is None:
             _int("--anchors", self.anchors)
-        else:
+        elif self.target_agreement is not None:
             t = self.target_agreement
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
                 raise ValueError(f"--target-agreement must be a top-1 agreement in (0, 1], got {t!r}")
@@ -238,7 +244,8 @@ class Settings:
 
     def check_model(self, fp: ModelFingerprint) -> None:
         """ValueError for a setting the model of shape ``fp`` cannot run."""
-        if self.target_agreement is None and not 1 <= self.anchors <= fp.num_layers:
+        target.check_model(self, fp)
+        if self.target_agreement is None and self.target_speedup is None and not 1 <= self.anchors <= fp.num_layers:
             raise ValueError(f"--anchors must be in 1..{fp.num_layers} (the model's layer count), got {self.anchors}")
         if self.target_agreement is not None and fp.num_layers < 2:
             raise ValueError("--target-agreement compares plans of 2 anchors and more; the model has 1 layer")
@@ -310,17 +317,18 @@ def run(settings: Settings) -> dict:
     wins = ready[0]
     fp = ModelFingerprint.from_model(model)
     stats = collect_stats(model, wins.stats[: s.samples], k=s.k, tile=s.tile)
-    max_a = min(s.max_anchors, fp.num_layers)
-    table = objective_table(stats, max_a)
-    measured = {}
+    max_a, measured = min(s.max_anchors, fp.num_layers), {}
     if s.target_agreement is not None:
-        num_anchors = _fewest_anchors(model, fp, stats, wins.stats[s.samples :], s, max_a, measured)
+        num_anchors = target.fastest_reaching(model, fp, stats, wins.stats[s.samples :], s, max_a, measured)
     else:
-        num_anchors = s.anchors
-    if s.method == "faithful":
-        plan = plan_from_stats(fp, stats, num_anchors, **s.budget)
-    else:
-        plan = _method_plan(s, model, stats, num_anchors, wins)
+        num_anchors = s.anchors if s.target_speedup is None else target.most_anchors_within(s, fp)
+
+    def make(a):
+        return plan_from_stats(fp, stats, a, **s.budget) if s.method == "faithful" else \
+            _method_plan(s, model, stats, a, wins)
+
+    plan = make(num_anchors) if s.target_speedup is None else target.within_target(make, num_anchors, s)
+    table = objective_table(stats, max(max_a, len(plan.anchors)))
     moved = None
     if s.tensor_parallel is not None:
         moved = len(plan.crossing_links(s.tensor_parallel))
@@ -328,22 +336,6 @@ def run(settings: Settings) -> dict:
     r = dict(plan=plan, stats=stats, table=table, out=out, measured=measured, settings=s, moved_links=moved)
     r["pictures"] = write(r)
     return r
-
-
-def _fewest_anchors(model, fp, stats, holdout, s: Settings, max_a: int, measured: dict) -> int:
-    """The fewest anchors (from 2) whose DP plan (made shard-local with ``s.tensor_parallel``) reaches
-    ``s.target_agreement`` on the held-out windows; each measured plan's fidelity goes into ``measured``."""
-    ref = DenseReference(model, holdout)
-    for A in range(2, max_a + 1):
-        plan = plan_from_stats(fp, stats, A, **s.budget)
-        if s.tensor_parallel is not None:
-            plan = plan.for_tensor_parallel(s.tensor_parallel, stats.similarity)
-        fid = measured[A] = pool(ref.compare(plan))
-        print(f"  A={A:2d} anchors {list(plan.anchors)}: held-out {fid}", flush=True)
-        if fid.top1_agreement >= s.target_agreement:
-            return A
-    raise ValueError(f"no plan with up to {max_a} anchors reached agreement {s.target_agreement} on the "
-                     f"held-out windows (best: {max(f.top1_agreement for f in measured.values()):.4f})")
 
 
 def _method_plan(s: Settings, model, stats, num_anchors: int, wins: _Windows) -> KascadePlan:
@@ -399,6 +391,8 @@ def report(r: dict) -> str:
         lines.append(f"used texts 1..{n} of {s.data} (statistics {s.samples}, held-out {s.holdout_windows}, search "
                      f"{s.search_texts}); to evaluate on the texts after them: kascade eval --data {s.data} "
                      f"--skip-texts {n}")
+    if s is not None:
+        lines.append(target.report_line(plan, s))
     lines.append(f"wrote {r['out'] / 'plan.json'}, stats.json, objective.csv"
                  + "".join(f", {p.name}" for p in r["pictures"]))
     return "\n".join(lines)

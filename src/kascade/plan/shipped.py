@@ -17,6 +17,9 @@ SHIPPED_VARIANTS = {
     "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
                 "cheapest decode selection)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
+    "fast": "the paper's method at the most anchors whose modelled decode attention speedup is >= 4x (H200, "
+            "Llama-3.1-8B kernel times, batch 32, 128K tokens; kascade.costs): see docs/frontier",
+    "balanced": "the paper's method at the most anchors modelled >= 3.5x faster decode attention (as \"fast\")",
 }
 
 

@@ -1,33 +1,16 @@
-"""The `kascade` command: demo | calibrate | eval | bench.
-
-Every argument is checked before a model is loaded. An error the user can cause ends the command with one line,
-``kascade <command>: error: ...``, and exit status 2 (argparse's convention); anything else shows its traceback.
-"""
+"""The four commands: for each, its options (``add_<command>``, every help says what the option means and its
+default) and what it runs (``run_<command>``, from the parsed options)."""
 
 from __future__ import annotations
 
 import argparse
-import re
-import sys
+
+from .types import csv_of, device, file, integer, method, model_args, number, plan_file, positive  # noqa: F401
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, its errors on one line (no usage block): ``kascade <command>: error: ...``, status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    def parse_args(self, args=None, namespace=None):
-        # arguments left over are reported by the command's parser, as `kascade <command>: error: ...`
-        ns, extra = self.parse_known_args(args, namespace)
-        if extra:
-            getattr(ns, "parser", self).error(f"unrecognized arguments: {' '.join(extra)}")
-        return ns
-
-
-def _demo(args) -> int:
-    from . import demo
-    from .plan import KascadePlan
+def run_demo(args) -> int:
+    from .. import demo
+    from ..plan import KascadePlan
 
     plan = KascadePlan.load(args.plan) if args.plan else None
     r = demo.run(tokens=args.tokens, max_new_tokens=args.max_new_tokens, compare_last=args.compare_last,
@@ -37,12 +20,39 @@ def _demo(args) -> int:
     return 0
 
 
-def _calibrate(args) -> int:
-    from .calibrate import pipeline
+def add_demo(sub) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="answer a needle question over a long prompt, densely and with Kascade, and compare",
+        description="Builds a long prompt from Python's own documentation (pydoc_data.topics) with a needle fact "
+        "in the middle and a question about it, then runs the model densely and with Kascade (--plan, else the shipped "
+        "calibrated plan for the model, else an uncalibrated uniform plan): prints both greedy answers, the "
+        "teacher-forced top-1 agreement and KL between the two on the prompt's last positions, and wall times. "
+        "Writes no files.",
+    )
+    d.add_argument("--tokens", type=positive(), default=4096,
+                   help="prompt length in tokens, haystack, needle and question included (default: 4096)")
+    d.add_argument("--max-new-tokens", type=positive(), default=24,
+                   help="tokens of each greedy answer (default: 24)")
+    d.add_argument("--compare-last", type=positive(), default=512,
+                   help="the teacher-forced comparison scores this many last prompt positions (default: 512)")
+    d.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
+                   help="a Kascade plan JSON, as kascade calibrate writes (default: the shipped plan for the model, "
+                   "else a uniform one)")
+    d.add_argument("--seed", type=integer(0), default=0,
+                   help="which window of the evaluation text is the haystack (default: 0)")
+    model_args(d)
+    d.set_defaults(func=run_demo, parser=d)
+
+
+def run_calibrate(args) -> int:
+    from ..calibrate import pipeline
 
     settings = pipeline.Settings(
         out=args.out, model=args.model, device=args.device, data=args.data, text_field=args.text_field,
         seq_len=args.seq_len, samples=args.samples, anchors=args.anchors, target_agreement=args.target_agreement,
+        target_speedup=args.target_speedup, speedup_mode=args.speedup_mode, cost_shape=args.cost_shape,
+        cost_table=args.cost_table,
         holdout=args.holdout, max_anchors=args.max_anchors, k=args.k, ratio=args.ratio, k_min=args.k_min,
         tile=args.tile, rolling=not args.no_rolling, seed=args.seed, method=args.method, rule=args.rule,
         lengths=args.lengths, search_windows=args.search_windows, search_evals=args.search_evals,
@@ -53,20 +63,108 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _csv(kind, choices):
-    def parse(value):
-        items = list(choices) if value == "all" else [x.strip() for x in value.split(",") if x.strip()]
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {kind} {bad or value!r}; choose from: all, {', '.join(choices)}")
-        return items
+def add_calibrate(sub) -> None:
+    from .. import costs
+    from ..calibrate import target
+    from ..calibrate.pipeline import Settings as CalibrationSettings
 
-    return parse
+    c = sub.add_parser(
+        "calibrate",
+        help="choose anchor layers and head map for a model from development text",
+        description="Runs the model densely over development windows, streams the cross-layer similarity of "
+        "top-k index sets (minimum over query tiles, averaged over windows) and each layer's importance, then "
+        "picks the anchors by an exact dynamic program and each reuse head's anchor head by argmax (--method "
+        "chooses other ways). Writes plan.json (use it with kascade.enable or --plan), stats.json, objective.csv (DP "
+        "objective per number of anchors) and two PNG plots into --out. With --data, the windows come from the "
+        "start of the file and the command prints how many texts it used, for kascade eval --skip-texts. Every "
+        "argument and the output folder are checked before the model's weights are loaded.",
+    )
+    cal = CalibrationSettings()
+    c.add_argument("--data", default=None, type=file, metavar="FILE",
+                   help="development texts: a JSONL file (.jsonl or .json: one object per line, the text under "
+                   "--text-field) or a plain-text file (one text). Each window is the first --seq-len tokens of one "
+                   "text, taken in file order: --samples texts for the statistics, then --holdout, then "
+                   "--search-windows (default: the development split of Python's pydoc_data.topics)")
+    c.add_argument("--text-field", default=cal.text_field,
+                   help=f"with a JSONL --data: the field holding the text (default: {cal.text_field})")
+    c.add_argument("--seq-len", type=positive(), default=cal.seq_len,
+                   help=f"tokens per development window; at least one --tile after --k keys (default: {cal.seq_len})")
+    c.add_argument("--samples", type=positive(), default=cal.samples,
+                   help=f"development windows the statistics are averaged over (default: {cal.samples})")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--anchors", type=positive(), default=cal.anchors,
+                   help="number of anchor layers, layer 0 included; at most the model's layer count "
+                   f"(default: {cal.anchors})")
+    g.add_argument("--target-agreement", type=number(0.0, 1.0), default=None,
+                   help="instead of --anchors: the fastest plan (by modelled speedup, see --speedup-mode: the fewest "
+                   "anchors, 2 to --max-anchors) whose teacher-forced top-1 agreement with dense on --holdout "
+                   "held-out development windows reaches this value, in (0, 1]")
+    g.add_argument("--target-speedup", type=float, default=None, metavar="X",
+                   help="instead of --anchors: the most accurate plan (most anchors by the DP) whose modelled "
+                   "model-average attention speedup over dense is at least X (H200 kernel times at 128K tokens, "
+                   "decode at batch 32, prefill at batch 1; see --speedup-mode, --cost-shape, --cost-table). A target "
+                   "beyond the fastest plan is refused before the model is loaded")
+    c.add_argument("--speedup-mode", default=cal.speedup_mode, choices=target.SPEEDUP_MODES,
+                   help="which attention --target-speedup bounds, and which speedup orders the plans --target-"
+                   f"agreement tries (both: the slower of the two) (default: {cal.speedup_mode})")
+    c.add_argument("--cost-shape", default=None, choices=tuple(costs.shapes()),
+                   help="whose measured kernel times model the speedup (default: the model's own shape if measured, "
+                   f"else {costs.DEFAULT_SHAPE})")
+    c.add_argument("--cost-table", default=None, type=file, metavar="FILE",
+                   help="model the speedup with the kernel times of this file, measured on your GPU by kascade "
+                   "costs, instead of the shipped H200 times (128K tokens where measured, else its longest length)")
+    c.add_argument("--holdout", type=positive(), default=cal.holdout,
+                   help=f"with --target-agreement: held-out development windows (default: {cal.holdout})")
+    c.add_argument("--max-anchors", type=positive(), default=cal.max_anchors,
+                   help="the largest number of anchors in objective.csv and tried by --target-agreement "
+                   f"(default: {cal.max_anchors})")
+    c.add_argument("--k", type=positive(), default=cal.k,
+                   help=f"keys per query tile whose top-k sets are compared across layers to measure their "
+                   f"similarity (default: {cal.k}, as the authors)")
+    c.add_argument("--ratio", type=number(0.0, 1.0), default=cal.ratio,
+                   help=f"plan budget: fraction of the keys each query attends, in (0, 1] (default: {cal.ratio:.2f})")
+    c.add_argument("--k-min", type=positive(), default=cal.k_min,
+                   help=f"plan budget: at least this many keys (default: {cal.k_min})")
+    c.add_argument("--tile", type=positive(), default=cal.tile,
+                   help=f"query tile: prefill queries select keys in groups of this many (default: {cal.tile})")
+    c.add_argument("--no-rolling", action="store_true",
+                   help="plan budget: every prefill tile keeps the budget of the whole prompt, instead of one that "
+                   "grows with the tile's position (the default)")
+    c.add_argument("--seed", type=integer(0), default=cal.seed,
+                   help=f"which development windows of pydoc_data.topics; no effect with --data (default: {cal.seed})")
+    c.add_argument("--method", default=cal.method, type=method,
+                   help="which plan to write: faithful (the paper's method, default), a reuse rule (any-anchor, "
+                   "union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
+                   "--lengths, chosen from N at run time), search (anchors by measured KL on other dev windows) or "
+                   "measured (the shipped default's method: search, then per-layer budgets from each layer's measured "
+                   "sensitivity on those windows; about 30 + 3 x layers plan evaluations)")
+    c.add_argument("--rule", default=None, type=method,
+                   help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
+    c.add_argument("--lengths", type=positive(), nargs="+", default=None,
+                   help="with a --method other than faithful: calibration lengths in tokens, each with its own "
+                   "statistics (length: one sub-plan per length; search: one search per length; measured: all "
+                   "together; a reuse rule: the longest) (default: --seq-len)")
+    c.add_argument("--search-windows", type=positive(), default=cal.search_windows,
+                   help="with --method search / measured: development windows per length that plans are scored on, "
+                   f"other than the statistics' (default: {cal.search_windows})")
+    c.add_argument("--search-evals", type=positive(), default=cal.search_evals,
+                   help="with --method search / measured: how many plans the anchor search scores (per length for "
+                   f"search) (default: {cal.search_evals})")
+    c.add_argument("--tensor-parallel", type=positive(), default=None, metavar="N",
+                   help="make the plan shard-local for N tensor-parallel ranks (the KV heads split evenly over them): "
+                   "a reuse head that would follow an anchor head of another rank follows the most similar anchor "
+                   "head of its own rank instead. N must divide the model's KV heads (default: no tensor "
+                   "parallelism: any head may follow any head)")
+    c.add_argument("--out", default=str(cal.out), metavar="DIR",
+                   help=f"output folder, created if missing; an existing plan.json there is replaced "
+                   f"(default: ./{cal.out})")
+    model_args(c)
+    c.set_defaults(func=run_calibrate, parser=c)
 
 
-def _eval(args) -> int:
-    from .eval import runner
-    from .eval.results import ROWS
+def run_eval(args) -> int:
+    from ..eval import runner
+    from ..eval.results import ROWS
 
     settings = runner.Settings(
         out=args.out, model=args.model, device=args.device, strategies=args.strategies, tasks=args.tasks,
@@ -81,229 +179,10 @@ def _eval(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from . import bench
-
-    return bench.main_args(args)
-
-
-def _integer(low: int = 1, kind: str | None = None):
-    """An argparse type: an integer >= ``low``. argparse names the option in the error; ``kind`` adds a word."""
-    what = "a positive integer" if low == 1 else f"an integer >= {low}"
-    prefix = f"{kind} " if kind else ""
-
-    def parse(value):
-        try:
-            x = int(value)
-        except ValueError:
-            x = None
-        if x is None or x < low:
-            raise argparse.ArgumentTypeError(f"{prefix}must be {what}, got {value!r}")
-        return x
-
-    return parse
-
-
-def _positive(kind: str | None = None):
-    return _integer(1, kind)
-
-
-def _number(low: float = 0.0, high: float | None = None, low_open: bool = True):
-    """An argparse type: a finite number in ``(low, high]`` (``[low, high]`` with ``low_open=False``)."""
-    span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-
-    def parse(value):
-        try:
-            x = float(value)
-        except ValueError:
-            x = float("nan")
-        inside = (x > low if low_open else x >= low) and (x <= high if high is not None else x < float("inf"))
-        if not inside:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be a number in {span}, got {value!r}")
-        return x
-
-    return parse
-
-
-def _device(value):
-    """An argparse type: a device this torch can use (cpu, cuda, cuda:N, or another type torch reports available)."""
-    import torch
-
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown device {value!r}; use cpu or cuda (cuda:N for one GPU)") from None
-    if dev.type == "cpu":
-        return value
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "" if torch.version.cuda else ", a build without CUDA"
-            raise argparse.ArgumentTypeError(f"{value!r}: this torch ({torch.__version__}{why}) sees no CUDA device; "
-                                             "use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{value!r}: there are {torch.cuda.device_count()} CUDA device(s)")
-        return value
-    backend = getattr(torch, dev.type, None)
-    if not getattr(backend, "is_available", lambda: False)():
-        raise argparse.ArgumentTypeError(f"{value!r}: this torch cannot use {dev.type} devices; use cpu or cuda")
-    return value
-
-
-def _plan_file(value):
-    """An argparse type: the path of a readable Kascade plan JSON (read once here to refuse anything else)."""
-    from .plan import KascadePlan
-
-    try:
-        KascadePlan.load(value)
-    except (ValueError, TypeError, OSError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
-
-
-def _file(value):
-    """An argparse type: the path of an existing file."""
-    from pathlib import Path
-
-    p = Path(value).expanduser()
-    if not p.is_file():
-        raise argparse.ArgumentTypeError(f"no file at {value}" + (" (it is a folder)" if p.is_dir() else ""))
-    return value
-
-
-def _method(value):
-    from .calibrate.pipeline import METHODS, is_method
-
-    if is_method(value):
-        return value
-    raise argparse.ArgumentTypeError(f"unknown method {value!r}; choose from {', '.join(METHODS)} (or reuse rules "
-                                     "joined by '+')")
-
-
-def _model_args(p) -> None:
-    """--model and --device: the same meaning in every command."""
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="a .gguf file or a local transformers model folder (config.json, tokenizer and weights); "
-                   "nothing is downloaded (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", type=_device,
-                   help="where the model runs: cpu (float32) or cuda / cuda:N (bfloat16) (default: cpu)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from .calibrate.pipeline import Settings as CalibrationSettings
-    from .eval.results import ROWS
-    from .eval.runner import MIN_RULER_LENGTH, TASKS
-    from .eval.strategies import STRATEGIES
-
-    p = _Parser(
-        prog="kascade",
-        description="Kascade sparse attention for Hugging Face models (arXiv 2512.16391): a few anchor layers select "
-        "the top-k keys of each query tile, the layers after them reuse those keys. Commands: demo (one needle "
-        "question, dense against Kascade), calibrate (make a plan for a model), eval (accuracy against dense and "
-        "other sparse methods), bench (speed and memory).",
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    d = sub.add_parser(
-        "demo",
-        help="answer a needle question over a long prompt, densely and with Kascade, and compare",
-        description="Builds a long prompt from Python's own documentation (pydoc_data.topics) with a needle fact "
-        "in the middle and a question about it, then runs the model densely and with Kascade (--plan, else the shipped "
-        "calibrated plan for the model, else an uncalibrated uniform plan): prints both greedy answers, the "
-        "teacher-forced top-1 agreement and KL between the two on the prompt's last positions, and wall times. "
-        "Writes no files.",
-    )
-    d.add_argument("--tokens", type=_positive(), default=4096,
-                   help="prompt length in tokens, haystack, needle and question included (default: 4096)")
-    d.add_argument("--max-new-tokens", type=_positive(), default=24,
-                   help="tokens of each greedy answer (default: 24)")
-    d.add_argument("--compare-last", type=_positive(), default=512,
-                   help="the teacher-forced comparison scores this many last prompt positions (default: 512)")
-    d.add_argument("--plan", default=None, type=_plan_file, metavar="FILE",
-                   help="a Kascade plan JSON, as kascade calibrate writes (default: the shipped plan for the model, "
-                   "else a uniform one)")
-    d.add_argument("--seed", type=_integer(0), default=0,
-                   help="which window of the evaluation text is the haystack (default: 0)")
-    _model_args(d)
-    d.set_defaults(func=_demo, parser=d)
-
-    c = sub.add_parser(
-        "calibrate",
-        help="choose anchor layers and head map for a model from development text",
-        description="Runs the model densely over development windows, streams the cross-layer similarity of "
-        "top-k index sets (minimum over query tiles, averaged over windows) and each layer's importance, then "
-        "picks the anchors by an exact dynamic program and each reuse head's anchor head by argmax (--method "
-        "chooses other ways). Writes plan.json (use it with kascade.enable or --plan), stats.json, objective.csv (DP "
-        "objective per number of anchors) and two PNG plots into --out. With --data, the windows come from the "
-        "start of the file and the command prints how many texts it used, for kascade eval --skip-texts. Every "
-        "argument and the output folder are checked before the model's weights are loaded.",
-    )
-    cal = CalibrationSettings()
-    c.add_argument("--data", default=None, type=_file, metavar="FILE",
-                   help="development texts: a JSONL file (.jsonl or .json: one object per line, the text under "
-                   "--text-field) or a plain-text file (one text). Each window is the first --seq-len tokens of one "
-                   "text, taken in file order: --samples texts for the statistics, then --holdout, then "
-                   "--search-windows (default: the development split of Python's pydoc_data.topics)")
-    c.add_argument("--text-field", default=cal.text_field,
-                   help=f"with a JSONL --data: the field holding the text (default: {cal.text_field})")
-    c.add_argument("--seq-len", type=_positive(), default=cal.seq_len,
-                   help=f"tokens per development window; at least one --tile after --k keys (default: {cal.seq_len})")
-    c.add_argument("--samples", type=_positive(), default=cal.samples,
-                   help=f"development windows the statistics are averaged over (default: {cal.samples})")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--anchors", type=_positive(), default=cal.anchors,
-                   help="number of anchor layers, layer 0 included; at most the model's layer count "
-                   f"(default: {cal.anchors})")
-    g.add_argument("--target-agreement", type=_number(0.0, 1.0), default=None,
-                   help="instead of --anchors: the smallest number of anchors (2 to --max-anchors) whose plan's "
-                   "teacher-forced top-1 agreement with dense on --holdout held-out development windows reaches this "
-                   "value, in (0, 1]")
-    c.add_argument("--holdout", type=_positive(), default=cal.holdout,
-                   help=f"with --target-agreement: held-out development windows (default: {cal.holdout})")
-    c.add_argument("--max-anchors", type=_positive(), default=cal.max_anchors,
-                   help="the largest number of anchors in objective.csv and tried by --target-agreement "
-                   f"(default: {cal.max_anchors})")
-    c.add_argument("--k", type=_positive(), default=cal.k,
-                   help=f"keys per query tile whose top-k sets are compared across layers to measure their "
-                   f"similarity (default: {cal.k}, as the authors)")
-    c.add_argument("--ratio", type=_number(0.0, 1.0), default=cal.ratio,
-                   help=f"plan budget: fraction of the keys each query attends, in (0, 1] (default: {cal.ratio:.2f})")
-    c.add_argument("--k-min", type=_positive(), default=cal.k_min,
-                   help=f"plan budget: at least this many keys (default: {cal.k_min})")
-    c.add_argument("--tile", type=_positive(), default=cal.tile,
-                   help=f"query tile: prefill queries select keys in groups of this many (default: {cal.tile})")
-    c.add_argument("--no-rolling", action="store_true",
-                   help="plan budget: every prefill tile keeps the budget of the whole prompt, instead of one that "
-                   "grows with the tile's position (the default)")
-    c.add_argument("--seed", type=_integer(0), default=cal.seed,
-                   help=f"which development windows of pydoc_data.topics; no effect with --data (default: {cal.seed})")
-    c.add_argument("--method", default=cal.method, type=_method,
-                   help="which plan to write: faithful (the paper's method, default), a reuse rule (any-anchor, "
-                   "union2, sinks, layer-budget, or several joined by '+'), length (one sub-plan per "
-                   "--lengths, chosen from N at run time), search (anchors by measured KL on other dev windows) or "
-                   "measured (the shipped default's method: search, then per-layer budgets from each layer's measured "
-                   "sensitivity on those windows; about 30 + 3 x layers plan evaluations)")
-    c.add_argument("--rule", default=None, type=_method,
-                   help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
-    c.add_argument("--lengths", type=_positive(), nargs="+", default=None,
-                   help="with a --method other than faithful: calibration lengths in tokens, each with its own "
-                   "statistics (length: one sub-plan per length; search: one search per length; measured: all "
-                   "together; a reuse rule: the longest) (default: --seq-len)")
-    c.add_argument("--search-windows", type=_positive(), default=cal.search_windows,
-                   help="with --method search / measured: development windows per length that plans are scored on, "
-                   f"other than the statistics' (default: {cal.search_windows})")
-    c.add_argument("--search-evals", type=_positive(), default=cal.search_evals,
-                   help="with --method search / measured: how many plans the anchor search scores (per length for "
-                   f"search) (default: {cal.search_evals})")
-    c.add_argument("--tensor-parallel", type=_positive(), default=None, metavar="N",
-                   help="make the plan shard-local for N tensor-parallel ranks (the KV heads split evenly over them): "
-                   "a reuse head that would follow an anchor head of another rank follows the most similar anchor "
-                   "head of its own rank instead. N must divide the model's KV heads (default: no tensor "
-                   "parallelism: any head may follow any head)")
-    c.add_argument("--out", default=str(cal.out), metavar="DIR",
-                   help=f"output folder, created if missing; an existing plan.json there is replaced "
-                   f"(default: ./{cal.out})")
-    _model_args(c)
-    c.set_defaults(func=_calibrate, parser=c)
+def add_eval(sub) -> None:
+    from ..eval.results import ROWS
+    from ..eval.runner import MIN_RULER_LENGTH, TASKS
+    from ..eval.strategies import STRATEGIES
 
     e = sub.add_parser(
         "eval",
@@ -322,42 +201,42 @@ def build_parser() -> argparse.ArgumentParser:
         "interrupted run keeps what it finished, and the same command with the same --out resumes it, skipping the "
         "rows already there. Every argument and the output folder are checked before the model's weights are loaded.",
     )
-    e.add_argument("--strategies", type=_csv("strategy", STRATEGIES), default=None,
+    e.add_argument("--strategies", type=csv_of("strategy", STRATEGIES), default=None,
                    help=f"comma-separated strategies, or 'all' (default: every one that runs on the model: "
                    f"kascade-faithful needs a shipped plan); from: {', '.join(STRATEGIES)}")
-    e.add_argument("--tasks", type=_csv("task", TASKS), default=None,
+    e.add_argument("--tasks", type=csv_of("task", TASKS), default=None,
                    help="comma-separated tasks, or 'all' (default: fidelity,niah_single_number; fidelity alone with "
                    f"--data; none with --longbench); from: {', '.join(TASKS)}")
-    e.add_argument("--lengths", type=_positive(), nargs="+", default=[2048],
+    e.add_argument("--lengths", type=positive(), nargs="+", default=[2048],
                    help="prompt lengths in tokens: fidelity windows are exactly this long, RULER prompts about this "
                    f"long (at least {MIN_RULER_LENGTH}) (default: 2048)")
-    e.add_argument("--samples", type=_positive(), default=2,
+    e.add_argument("--samples", type=positive(), default=2,
                    help="samples per task and length: windows of the fidelity text, generated RULER prompts "
                    "(default: 2)")
-    e.add_argument("--seed", type=_integer(0), default=0,
+    e.add_argument("--seed", type=integer(0), default=0,
                    help="which pydoc_data windows and generated samples (default: 0)")
-    e.add_argument("--plan", default=None, type=_plan_file, metavar="FILE",
+    e.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
                    help="a Kascade plan JSON for the kascade strategies, as kascade calibrate writes (default: the "
                    "shipped plan for the model, else a uniform one)")
-    e.add_argument("--ratio", type=_number(0.0, 1.0), default=None,
+    e.add_argument("--ratio", type=number(0.0, 1.0), default=None,
                    help="the fraction of keys every strategy attends, in (0, 1] (default: each plan's own)")
-    e.add_argument("--k-min", type=_positive(), default=None,
+    e.add_argument("--k-min", type=positive(), default=None,
                    help="the least number of keys every strategy attends (default: each plan's own)")
-    e.add_argument("--omnikv-layer", type=_positive(), default=2,
+    e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")
-    e.add_argument("--longbench", default=None, type=_file, metavar="FILE",
+    e.add_argument("--longbench", default=None, type=file, metavar="FILE",
                    help="a LongBench-format JSONL file: one record per line with context, input, answers (a string "
                    "or a list of strings) and dataset (which picks the metric); its records run after the tasks, "
                    "each at its own length")
-    e.add_argument("--longbench-limit", type=_positive(), default=None,
+    e.add_argument("--longbench-limit", type=positive(), default=None,
                    help="use the first this many LongBench records (default: all)")
-    e.add_argument("--data", default=None, type=_file, metavar="FILE",
+    e.add_argument("--data", default=None, type=file, metavar="FILE",
                    help="your own text for the fidelity task instead of pydoc_data.topics: a JSONL file (the text "
                    "under --text-field) or a plain-text file, as kascade calibrate --data takes; windows of each "
                    "--lengths are cut one after another from its texts (a window lies within one text), after the "
                    "first --skip-texts")
-    e.add_argument("--skip-texts", type=_integer(0), default=0, metavar="N",
+    e.add_argument("--skip-texts", type=integer(0), default=0, metavar="N",
                    help="with --data: leave out the first N texts of the file. kascade calibrate --data FILE takes "
                    "its texts from the start of FILE and prints how many it used: give that number to evaluate on "
                    "windows disjoint from the ones the plan was calibrated on (default: 0)")
@@ -366,10 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="kascade-eval", metavar="DIR",
                    help=f"output folder, created if missing; a folder holding {ROWS} of the same settings is resumed, "
                    "one of other settings refused (default: ./kascade-eval)")
-    _model_args(e)
-    e.set_defaults(func=_eval, parser=e)
+    model_args(e)
+    e.set_defaults(func=run_eval, parser=e)
 
-    from .bench import MODELS, Settings
+
+def run_bench(args) -> int:
+    from .. import bench
+
+    return bench.main_args(args)
+
+
+def add_bench(sub) -> None:
+    from ..bench import MODELS, Settings
 
     dflt = Settings()
     b = sub.add_parser(
@@ -404,63 +291,38 @@ Models (--models):
 Writes bench.json (machine, versions, settings, every measurement and skip reason), bench.md (the table) and
 bench.png (TTFT and ITL against context length) into --out after every configuration, and prints the table.""",
     )
-    b.add_argument("--models", type=_csv("model", MODELS), default=["default", "llama8b"],
+    b.add_argument("--models", type=csv_of("model", MODELS), default=["default", "llama8b"],
                    help=f"comma-separated models, or 'all' (default: default,llama8b); from: {', '.join(MODELS)}")
-    b.add_argument("--lengths", type=_positive("length"), nargs="+", default=list(dflt.lengths),
+    b.add_argument("--lengths", type=positive("length"), nargs="+", default=list(dflt.lengths),
                    help=f"prompt lengths in tokens (default: {' '.join(map(str, dflt.lengths))})")
-    b.add_argument("--batches", type=_positive("batch size"), nargs="+", default=list(dflt.batches),
+    b.add_argument("--batches", type=positive("batch size"), nargs="+", default=list(dflt.batches),
                    help=f"batch sizes (default: {' '.join(map(str, dflt.batches))})")
-    b.add_argument("--repeats", type=_positive(), default=dflt.repeats,
+    b.add_argument("--repeats", type=positive(), default=dflt.repeats,
                    help=f"timed prefills per mode after one warm-up; TTFT is their median (default: {dflt.repeats})")
-    b.add_argument("--decode-steps", type=_positive(), default=dflt.decode_steps,
+    b.add_argument("--decode-steps", type=positive(), default=dflt.decode_steps,
                    help=f"greedy decode steps averaged into ITL (default: {dflt.decode_steps})")
     b.add_argument("--decode", choices=("graph", "eager"), default=None,
                    help="how decode steps run: graph (static cache + CUDA graph replay; the default on CUDA) or eager "
                    "(DynamicCache, one Python-driven forward per step; the default elsewhere)")
-    b.add_argument("--prefill-chunk", type=_integer(0), default=0,
+    b.add_argument("--prefill-chunk", type=integer(0), default=0,
                    help="feed the prompt this many tokens at a time through the cache (bounds activation memory for "
                    "big batches; dense then runs transformers' masked SDPA for the later chunks); 0: whole prompt "
                    "(default: 0)")
     b.add_argument("--backend", default=dflt.backend, choices=("auto", "triton", "reference"),
                    help=f"passed to kascade.enable: auto (Triton on CUDA where supported, else the reference), "
                    f"triton or reference (default: {dflt.backend})")
-    b.add_argument("--plan", default=None, type=_plan_file, metavar="FILE",
+    b.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
                    help="a Kascade plan JSON used for every selected model (it must match each one's shape)")
-    b.add_argument("--seed", type=_integer(0), default=0, help="seed of the random prompt token ids (default: 0)")
-    b.add_argument("--memory-limit", type=_number(0.0), default=None,
+    b.add_argument("--seed", type=integer(0), default=0, help="seed of the random prompt token ids (default: 0)")
+    b.add_argument("--memory-limit", type=number(0.0), default=None,
                    help="GB a configuration may use, weights included (default: the GPU's free memory plus what this "
                    "process holds; no check on CPU)")
-    b.add_argument("--time-budget", type=_number(0.0, low_open=False), default=dflt.time_budget_s,
+    b.add_argument("--time-budget", type=number(0.0, low_open=False), default=dflt.time_budget_s,
                    help="seconds for the whole run, model loading included: a configuration predicted (from the "
                    "previous one, scaled up by batch and length squared) to overrun it is skipped; 0: no limit "
                    f"(default: {dflt.time_budget_s:.0f})")
     b.add_argument("--out", default="kascade-bench", metavar="DIR",
                    help="output folder, created if missing; checked before any model is loaded (default: "
                    "./kascade-bench)")
-    _model_args(b)
-    b.set_defaults(func=_bench, parser=b)
-    return p
-
-
-def main(argv=None) -> int:
-    import torch
-
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError, MemoryError, torch.OutOfMemoryError) as e:
-        message = re.sub(r"\s*\n\s*", " ", str(e)).strip()  # some messages (transformers') span lines
-        if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
-            message = f"out of memory ({message[:200] or 'no details'}); shorter lengths or fewer samples need less"
-        print(f"kascade {args.command}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        kept = ""
-        if args.command == "eval":
-            kept = f"; the finished rows are in {args.out}, and the same command resumes them"
-        print(f"kascade {args.command}: interrupted{kept}", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    model_args(b)
+    b.set_defaults(func=run_bench, parser=b)

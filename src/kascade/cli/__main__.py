@@ -1,0 +1,7 @@
+"""``python -m kascade.cli``: the `kascade` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
