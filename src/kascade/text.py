@@ -3,8 +3,7 @@
 The corpus is ``pydoc_data.topics`` (the Python reference's topic pages, about 113K tokens for SmolLM2's
 tokenizer), in sorted topic order. Its token stream is split once into a *development* part (the first 60%, for
 calibration) and an *evaluation* part (the last 40%, for fidelity tests and haystacks), so that the windows a plan
-is calibrated on never overlap the windows it is judged on. :func:`cut_windows` cuts token windows from other texts (a
-user's file: ``kascade eval --data``).
+is calibrated on never overlap the windows it is judged on. :func:`load_texts` reads a user's texts (``--data``) and :func:`cut_windows` cuts token windows from them.
 """
 
 from __future__ import annotations
@@ -90,3 +89,29 @@ def iter_jsonl(path: str | Path):
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
         yield n, obj
+
+
+def load_texts(path: str | Path, field: str = "text") -> list[str]:
+    """Texts from a JSONL file (``.jsonl`` or ``.json``: one JSON object per line, the text under ``field``) or a
+    plain-text file (any other name: one text). ValueError naming the file (and line) for anything unusable."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no data file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        raw = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"the data file {path} is not UTF-8 text") from None
+    if not raw.strip():
+        raise ValueError(f"the data file {path} is empty")
+    if path.suffix not in (".jsonl", ".json"):
+        return [raw]
+    texts = []
+    for n, obj in iter_jsonl(path):
+        if field not in obj:
+            raise ValueError(f"{path}:{n}: no {field!r} field (use --text-field to name another)")
+        if not isinstance(obj[field], str):
+            raise ValueError(f"{path}:{n}: the {field!r} field is not a string")
+        texts.append(obj[field])
+    if not texts:
+        raise ValueError(f"the data file {path} holds no texts")
+    return texts

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import gc
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from ..files import check_out
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
 from .memory import available_bytes, estimate_bytes, predict_seconds, skip_reason
@@ -36,21 +35,6 @@ def _free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-
-
-def check_out(out) -> Path:
-    """``out`` as a folder that exists and takes files (created if missing), else ValueError saying why: checked
-    before any model is loaded, so that a run does not end, after its measurements, unable to write them."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write the results there ({e.strerror or e})") from None
-    return out
 
 
 def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None) -> dict:

@@ -20,12 +20,41 @@ One algorithm per module:
 Measured scores come from :mod:`kascade.fidelity` (teacher-forced comparison against dense).
 """
 
-from .budgets import MEASURED_GRID, allocate_scales, layer_sensitivity, measured_budget_plan, monotone_costs
-from .dp import choose_anchors, dp_anchors, head_maps, layer_weights, objective_table, plan_from_stats
-from .pipeline import METHODS, Settings, dev_windows, load_texts, plan_from_method
-from .rules import ALPHA, RECENT, RULES, SINKS, layer_scales, length_plan, plan_for_rule, ranked_sources
+from ..text import load_texts
+from .budgets import (
+    MEASURED_GRID,
+    allocate_scales,
+    layer_sensitivity,
+    measured_budget_plan,
+    monotone_costs,
+)
+from .dp import (
+    choose_anchors,
+    dp_anchors,
+    head_maps,
+    layer_weights,
+    objective_table,
+    plan_from_stats,
+)
+from .pipeline import METHODS, Settings, dev_windows, plan_from_method
+from .rules import (
+    ALPHA,
+    RECENT,
+    RULES,
+    SINKS,
+    layer_scales,
+    length_plan,
+    plan_for_rule,
+    ranked_sources,
+)
 from .search import search_anchors, searched_plan
-from .stats import DEFAULT_K, CalibrationStats, StatsRecorder, collect_stats, min_window_tokens
+from .stats import (
+    DEFAULT_K,
+    CalibrationStats,
+    StatsRecorder,
+    collect_stats,
+    min_window_tokens,
+)
 
 __all__ = [
     "ALPHA", "DEFAULT_K", "MEASURED_GRID", "METHODS", "RECENT", "RULES", "SINKS", "CalibrationStats", "Settings",

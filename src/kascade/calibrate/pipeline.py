@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +28,10 @@ import torch
 
 from .. import text
 from ..fidelity import DenseReference
+from ..files import check_out
 from ..models import load_model
 from ..plan import KascadePlan, ModelFingerprint
+from ..text import load_texts
 from . import target
 from .budgets import MEASURED_GRID, layer_sensitivity, measured_budget_plan
 from .dp import dp_anchors, objective_table, plan_from_stats
@@ -44,47 +45,6 @@ METHODS = (*RULES, "length", "search", "measured")
 def is_method(name: str) -> bool:
     """Whether ``name`` is one of :data:`METHODS` or reuse rules joined by ``+``."""
     return name in METHODS or all(x in RULES for x in name.split("+"))
-
-
-def check_out(out: str | Path) -> Path:
-    """``out`` as a folder that exists and takes files (created if missing), else ValueError saying why. The
-    commands call it before loading a model, so that no run ends, after its work, unable to write the results."""
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    return out
-
-
-def load_texts(path: str | Path, field: str = "text") -> list[str]:
-    """Texts from a JSONL file (``.jsonl`` or ``.json``: one JSON object per line, the text under ``field``) or a
-    plain-text file (any other name: one text). ValueError naming the file (and line) for anything unusable."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"no data file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
-    try:
-        raw = path.read_text()
-    except UnicodeDecodeError:
-        raise ValueError(f"the data file {path} is not UTF-8 text") from None
-    if not raw.strip():
-        raise ValueError(f"the data file {path} is empty")
-    if path.suffix not in (".jsonl", ".json"):
-        return [raw]
-    texts = []
-    for n, obj in text.iter_jsonl(path):
-        if field not in obj:
-            raise ValueError(f"{path}:{n}: no {field!r} field (use --text-field to name another)")
-        if not isinstance(obj[field], str):
-            raise ValueError(f"{path}:{n}: the {field!r} field is not a string")
-        texts.append(obj[field])
-    if not texts:
-        raise ValueError(f"the data file {path} holds no texts")
-    return texts
 
 
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,

@@ -22,10 +22,11 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import models, text
-from ..calibrate.pipeline import check_out, load_texts
 from ..fidelity import DenseReference
+from ..files import check_out
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
+from ..text import load_texts
 from . import longbench, ruler
 from .results import FIDELITY, Results, _digest
 from .strategies import STRATEGIES, available, make_strategy
