@@ -1,13 +1,11 @@
 """`kascade calibrate` end to end on the default model at tiny settings, and its input errors."""
 
 import json
-import random
-import string
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cli_support import one_line_error, texts_file, tiny_loader
 from conftest import tiny_model
 from kascade import KascadePlan
 from kascade.calibrate import pipeline
@@ -113,53 +111,21 @@ def test_calibrate_method_writes_that_variants_plan(tmp_path, default_model, mon
 
 # -- refusals before any work, on a tiny random model -------------------------------------------------------------
 
-class CharTokenizer:
-    """Characters as token ids 3..96 (inside the tiny models' vocabulary of 97)."""
-
-    pad_token_id = eos_token_id = 2
-
-    def __call__(self, text, add_special_tokens=False):
-        return SimpleNamespace(input_ids=[3 + ord(c) % 94 for c in text])
-
-
-def texts_file(path, count, chars=300):
-    """A JSONL file of ``count`` distinct random texts."""
-    path.write_text("".join(json.dumps({"text": "".join(random.Random(i).choices(string.ascii_letters + " ", k=chars))})
-                            + "\n" for i in range(count)))
-    return path
-
-
 TINY = ["--seq-len", "96", "--k", "8", "--tile", "16", "--k-min", "8", "--samples", "2", "--max-anchors", "3"]
 ANCHORS = ["--anchors", "2"]
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """kascade calibrate on a tiny random Llama (4 layers, 4 KV heads): a loader that, like load_model, calls
-    ``check(config, tokenizer)`` before it 'reads the weights' (``tiny.loads`` counts those)."""
-    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4)
-    loads = []
-
-    def load(path=None, *, device="cpu", dtype=None, check=None):
-        tok = CharTokenizer()
-        if check is not None:
-            check(model.config, tok)
-        loads.append(path)
-        return model, tok
-
-    monkeypatch.setattr(pipeline, "load_model", load)
-    return SimpleNamespace(model=model, loads=loads)
+    """kascade calibrate on a tiny random Llama (4 layers, 4 KV heads) behind load_model (``tiny.loads`` counts the
+    weight reads)."""
+    tiny = tiny_loader(tiny_model("llama", num_attention_heads=8, num_key_value_heads=4))
+    monkeypatch.setattr(pipeline, "load_model", tiny.load)
+    return tiny
 
 
 def _error(argv, capsys) -> str:
-    """The command's error output, checked to be one line `kascade calibrate: error: ...` with exit status 2."""
-    try:
-        rc = main(["calibrate", *argv])
-    except SystemExit as e:  # argparse's own refusals
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("kascade calibrate: error: ") and err.count("\n") == 1, (argv, rc, err)
-    return err
+    return one_line_error("calibrate", argv, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,14 +1,12 @@
 import csv
 import json
-import random
 import re
-import string
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kascade.models
+from cli_support import CharTokenizer, one_line_error, texts_file, tiny_loader
 from conftest import tiny_model
 from kascade import KascadePlan, ModelFingerprint
 from kascade.cli import build_parser, main
@@ -52,49 +50,16 @@ def test_eval_end_to_end(tmp_path, default_model, monkeypatch, capsys):
 
 # -- on a tiny random model: refusals before any work, rows kept as they finish, resuming, --data ----------------
 
-class CharTokenizer:
-    """Characters as token ids 3..96 (inside the tiny models' vocabulary of 97)."""
-
-    pad_token_id = eos_token_id = 2
-
-    def __call__(self, text, add_special_tokens=False):
-        return SimpleNamespace(input_ids=[3 + ord(c) % 94 for c in text])
-
-
-def texts_file(path, count, chars=300):
-    """A JSONL file of ``count`` distinct random texts."""
-    path.write_text("".join(json.dumps({"text": "".join(random.Random(i).choices(string.ascii_letters + " ", k=chars))})
-                            + "\n" for i in range(count)))
-    return path
-
-
 @pytest.fixture
 def tiny(monkeypatch):
-    """A tiny random Llama (4 layers) behind load_model: the loader calls ``check(config, tokenizer)`` before it
-    'reads the weights', as load_model does (``tiny.loads`` counts those)."""
-    model = tiny_model("llama")
-    loads = []
-
-    def load(path=None, *, device="cpu", dtype=None, check=None):
-        tok = CharTokenizer()
-        if check is not None:
-            check(model.config, tok)
-        loads.append(path)
-        return model, tok
-
-    monkeypatch.setattr(kascade.models, "load_model", load)
-    return SimpleNamespace(model=model, loads=loads)
+    """A tiny random Llama (4 layers) behind load_model (``tiny.loads`` counts the weight reads)."""
+    tiny = tiny_loader(tiny_model("llama"))
+    monkeypatch.setattr(kascade.models, "load_model", tiny.load)
+    return tiny
 
 
 def _error(command, argv, capsys) -> str:
-    """The command's error output, checked to be one line `kascade <command>: error: ...` with exit status 2."""
-    try:
-        rc = main([command, *argv])
-    except SystemExit as e:  # argparse's own refusals
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith(f"kascade {command}: error: ") and err.count("\n") == 1, (argv, rc, err)
-    return err
+    return one_line_error(command, argv, capsys)
 
 
 FAST = ["--strategies", "dense,streamingllm,oracle", "--tasks", "fidelity", "--lengths", "48", "--k-min", "8",
