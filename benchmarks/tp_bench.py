@@ -79,7 +79,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -686,26 +685,17 @@ def skip_reason(need_gb: float, have_gb: float | None, predicted: float | None, 
 
 # -- results -------------------------------------------------------------------------------------------------------
 def machine_info(ranks: Ranks) -> dict:
-    import transformers
+    from kascade.bench.report import cpu_name, environment
 
-    info = dict(host=socket.gethostname(), python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, cpu_count=os.cpu_count(), device=ranks.device.type,
-                ranks=ranks.world, env={k: os.environ.get(k) for k in MULTICAST_OFF})
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    info = dict(environment(str(ranks.device)), host=socket.gethostname(), cpu=cpu_name(), cpu_count=os.cpu_count(),
+                device=ranks.device.type, ranks=ranks.world, env={k: os.environ.get(k) for k in MULTICAST_OFF})
     try:
         info["kascade_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                                 cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         info["kascade_commit"] = None
     if ranks.cuda:
-        info.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                    gpu_memory_gb=torch.cuda.get_device_properties(ranks.device).total_memory / GB,
-                    cuda=torch.version.cuda)
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
@@ -716,19 +706,8 @@ def machine_info(ranks: Ranks) -> dict:
         except (OSError, subprocess.SubprocessError) as e:
             info["nvidia_smi_topo"] = f"unavailable: {e}"
     else:
-        info["cpu"] = _cpu_name()
         info["torch_threads"] = torch.get_num_threads()
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def config_entry(results: dict, batch: int, length: int) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import kascade
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats, plan_from_stats
 from kascade.fidelity import compare_plans
+from kascade.bench.report import cpu_name
 from kascade.plan import shipped_plan
 
 T0 = time.perf_counter()
@@ -44,16 +44,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def row(name: str, plan: KascadePlan, tp: int, fid) -> dict:

@@ -15,6 +15,17 @@ from ..plots import pyplot
 from .settings import GB
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict:
     """The machine, the device and the versions a result was measured with."""
     import transformers
@@ -27,7 +38,7 @@ def environment(device: str) -> dict:
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     gpu_mem = torch.cuda.get_device_properties(dev).total_memory / GB if dev.type == "cuda" else None
     return dict(machine=f"{platform.node()} ({platform.machine()}, {platform.system()})",
-                device=gpu or f"CPU ({platform.processor() or platform.machine()})", gpu=gpu, gpu_memory_gb=gpu_mem,
+                device=gpu or f"CPU ({cpu_name()})", gpu=gpu, gpu_memory_gb=gpu_mem,
                 torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v,
                 transformers=transformers.__version__, python=platform.python_version())
 
