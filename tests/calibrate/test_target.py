@@ -32,7 +32,7 @@ def test_the_most_anchors_that_meet_the_target(x, mode):
     except ValueError as e:
         assert "out of reach" in str(e)
         assert not target.meets(KascadePlan.uniform(SMOL, 1), SimpleNamespace(target_speedup=x, speedup_mode=mode,
-                                                                               cost_shape=None))
+                                                                               cost_shape=None, cost_table=None))
         return
     assert target.meets(KascadePlan.uniform(SMOL, a), s)
     assert a == SMOL.num_layers or not target.meets(KascadePlan.uniform(SMOL, a + 1), s)

@@ -45,12 +45,12 @@ def _load(path: str, stamp) -> dict:
 
 def table(s) -> dict | None:
     """The cost table of ``s.cost_table``, loaded and checked (None: the shipped H200 measurements)."""
-    path = getattr(s, "cost_table", None)
-    if path is None:
+    if s.cost_table is None:
         return None
-    path = os.path.abspath(os.path.expanduser(path))
+    path = os.path.abspath(os.path.expanduser(s.cost_table))
     try:
-        stamp = os.stat(path).st_mtime_ns, os.stat(path).st_size  # a rewritten file is read again
+        st = os.stat(path)
+        stamp = st.st_mtime_ns, st.st_size  # a rewritten file is read again
     except OSError:
         stamp = None  # load_table says why
     return _load(path, stamp)
