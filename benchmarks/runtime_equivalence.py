@@ -139,6 +139,9 @@ def _generate(model, plan, backend, ids):
     return out
 
 
+REFUSED = "refused"  # a plan's entry when the backend refused it: {REFUSED: the error's first line}
+
+
 def record(args) -> None:
     import kascade
     from kascade import text
@@ -164,10 +167,17 @@ def record(args) -> None:
         for name in args.only or list(plans):
             plan, selector = plans[name]
             key = name if len(args.dtypes) == 1 else f"{name}/{dtype}"
-            result[key] = _run_cases(model, plan, selector, args.backend, ids, ids_short)
+            try:
+                result[key] = _run_cases(model, plan, selector, args.backend, ids, ids_short)
+            except ValueError as e:  # a plan this tree's backend refuses (e.g. a baseline the kernels do not serve)
+                result[key] = {REFUSED: str(e).splitlines()[0]}
+                print(f"refused {key}: {result[key][REFUSED]}", flush=True)
+                continue
             if name in ("default", "searched", "faithful"):
                 result[key].update(_generate(model, plan, args.backend, ids.to(args.device)))
             print(f"recorded {key}", flush=True)
+            # written after every plan: a run cut short keeps what it recorded
+            torch.save(dict(device=args.device, dtypes=args.dtypes, backend=args.backend, cases=result), args.out)
     torch.save(dict(device=args.device, dtypes=args.dtypes, backend=args.backend, cases=result), args.out)
     print(f"wrote {args.out}")
 
@@ -180,6 +190,13 @@ def compare(args) -> int:
     for name, cases in a["cases"].items():
         if name not in b["cases"]:
             missing.append(name)
+            continue
+        if REFUSED in cases or REFUSED in b["cases"][name]:  # refused by a tree: both must refuse it
+            both = REFUSED in cases and REFUSED in b["cases"][name]
+            if not both:
+                missing.append(f"{name} (refused by one tree only)")
+            lines.append(f"| {name} | (refused{' by both' if both else ' by one'}: "
+                         f"{cases.get(REFUSED) or b['cases'][name].get(REFUSED)}) | - | - | - |")
             continue
         for case, x in cases.items():
             y = b["cases"][name][case]
