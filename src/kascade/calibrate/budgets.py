@@ -71,12 +71,13 @@ def monotone_costs(sens: dict, grid=MEASURED_GRID) -> dict[int, dict[float, floa
     return out
 
 
-def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5) -> tuple[float, ...]:
+def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5,
+                    total: int | None = None) -> tuple[float, ...]:
     """Per-layer budget multipliers from :func:`layer_sensitivity`'s table: one scale of ``grid`` per layer 1..L-1
     minimising the sum of the measured KL changes (each layer's change measured alone: an additive model, made
-    monotone by :func:`monotone_costs`), with the mean scale over layers 1..L-1 exactly 1 (the same average
-    budget). Exact, by dynamic programming over the budget in units of ``unit`` (every grid value must be a
-    multiple of it). Layer 0 (dense) keeps 1."""
+    monotone by :func:`monotone_costs`), with the scales over layers 1..L-1 summing to exactly ``total`` units of
+    ``unit`` (default: a mean of 1, the same average budget). Exact, by dynamic programming over the budget in units
+    of ``unit`` (every grid value must be a multiple of it). Layer 0 (dense) keeps 1."""
     units = {}
     for s in grid:
         u = s / unit
@@ -86,7 +87,12 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
     if 1.0 not in units:
         raise ValueError("the grid must contain 1.0")
     layers = list(range(1, num_layers))
-    total = units[1.0] * len(layers)
+    if total is None:
+        total = units[1.0] * len(layers)
+    lo, hi = min(units.values()) * len(layers), max(units.values()) * len(layers)
+    if isinstance(total, bool) or not isinstance(total, int) or not lo <= total <= hi:
+        raise ValueError(f"total must be a whole number of units in [{lo}, {hi}] for {len(layers)} layers, got "
+                         f"{total!r}")
     costs = monotone_costs(sens, grid)
     missing = [(l, s) for l in layers for s in grid if s not in costs.get(l, {})]
     if missing:
@@ -106,12 +112,13 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
                     nxt[c2] = (v2, ch + (s,))
         best = nxt
     if total not in best:
-        raise ValueError("no allocation of the grid reaches the mean budget exactly")
+        raise ValueError(f"no allocation of the grid sums to {total} units exactly")
     return (1.0, *(float(s) for s in best[total][1]))
 
 
-def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
-    """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid``."""
-    scales = allocate_scales(sens, plan.num_layers, grid)
+def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "",
+                         total: int | None = None) -> KascadePlan:
+    """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid`` (``total``: its sum of units)."""
+    scales = allocate_scales(sens, plan.num_layers, grid, total=total)
     return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
         f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))

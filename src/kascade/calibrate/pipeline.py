@@ -34,6 +34,7 @@ from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
 from . import target
 from .budgets import MEASURED_GRID, layer_sensitivity, measured_budget_plan
+from .joint import joint_plan
 from .dp import dp_anchors, objective_table, plan_from_stats
 from .rules import RULES, fingerprint, length_plan, plan_for_rule
 from .search import searched_plan
@@ -132,6 +133,7 @@ class Settings:
     lengths: tuple[int, ...] | None = None  # calibration lengths of a method other than ``faithful``
     search_windows: int = 2  # development windows per length that ``search`` / ``measured`` score plans on
     search_evals: int = 24
+    joint_span: int = 2  # method measured with target_speedup: also try up to this many fewer anchors (.joint)
     tensor_parallel: int | None = None  # make the plan shard-local for this many tensor-parallel ranks
 
     def __post_init__(self):
@@ -140,6 +142,7 @@ class Settings:
                             ("--search-windows", self.search_windows), ("--search-evals", self.search_evals)):
             _int(name, value)
         _int("--seed", self.seed, 0)
+        _int("--joint-span", self.joint_span, 0)
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"--ratio must be a fraction of the keys in (0, 1], got {self.ratio!r}")
         target.check_settings(self)
@@ -287,23 +290,38 @@ def run(settings: Settings) -> dict:
         return plan_from_stats(fp, stats, a, **s.budget) if s.method == "faithful" else \
             _method_plan(s, model, stats, a, wins)
 
-    plan = make(num_anchors) if s.target_speedup is None else target.within_target(make, num_anchors, s)
+    joint = None
+    if s.target_speedup is None:
+        plan = make(num_anchors)
+    elif s.method == "measured":  # anchors and per-layer budgets together (.joint)
+        by_len = _stats_by_length(s, model, stats, wins)
+        windows = [w for n in sorted(by_len) for w in wins.search[n]]
+        plan, joint = joint_plan(model, by_len[max(by_len)], windows, s, num_anchors, span=s.joint_span)
+    else:
+        plan = target.within_target(make, num_anchors, s)
     table = objective_table(stats, max(max_a, len(plan.anchors)))
     moved = None
     if s.tensor_parallel is not None:
         moved = len(plan.crossing_links(s.tensor_parallel))
         plan = plan.for_tensor_parallel(s.tensor_parallel, stats.similarity)
-    r = dict(plan=plan, stats=stats, table=table, out=out, measured=measured, settings=s, moved_links=moved)
+    r = dict(plan=plan, stats=stats, table=table, out=out, measured=measured, settings=s, moved_links=moved,
+             joint=joint)
     r["pictures"] = write(r)
     return r
+
+
+def _stats_by_length(s: Settings, model, stats, wins: _Windows) -> dict:
+    """The statistics at every calibration length: ``stats`` (at ``s.seq_len``) and those of ``s.lengths``."""
+    by_len = {s.seq_len: stats} if s.seq_len in s.lengths_to_run else {}
+    for n, w in wins.by_length.items():
+        by_len[n] = collect_stats(model, w, k=s.k, tile=s.tile)
+    return by_len
 
 
 def _method_plan(s: Settings, model, stats, num_anchors: int, wins: _Windows) -> KascadePlan:
     """A method other than ``faithful`` on top of the same statistics; ``s.lengths`` adds statistics at other
     lengths (length-aware plans, one search per length)."""
-    by_len = {s.seq_len: stats} if s.seq_len in s.lengths_to_run else {}
-    for n, w in wins.by_length.items():
-        by_len[n] = collect_stats(model, w, k=s.k, tile=s.tile)
+    by_len = _stats_by_length(s, model, stats, wins)
     return plan_from_method(s.method, model, by_len, num_anchors, rule=s.rule, search_windows=wins.search,
                             max_evals=s.search_evals, budget=s.budget, log=print)
 
@@ -351,6 +369,11 @@ def report(r: dict) -> str:
         lines.append(f"used texts 1..{n} of {s.data} (statistics {s.samples}, held-out {s.holdout_windows}, search "
                      f"{s.search_texts}); to evaluate on the texts after them: kascade eval --data {s.data} "
                      f"--skip-texts {n}")
+    for row in r.get("joint") or ():
+        x = ", ".join(f"{m} {v:.2f}x" for m, v in row["speedups"].items())
+        mark = " <- chosen" if row["anchors"] == list(plan.anchors) else ""
+        lines.append(f"joint search: {len(row['anchors'])} anchors {row['anchors']}, mean budget "
+                     f"x{row['mean_scale']:.2f}: dev KL {row['kl']:.4f} ({x}){mark}")
     if s is not None:
         lines.append(target.report_line(plan, s))
     lines.append(f"wrote {r['out'] / 'plan.json'}, stats.json, objective.csv"

@@ -56,7 +56,7 @@ def run_calibrate(args) -> int:
         holdout=args.holdout, max_anchors=args.max_anchors, k=args.k, ratio=args.ratio, k_min=args.k_min,
         tile=args.tile, rolling=not args.no_rolling, seed=args.seed, method=args.method, rule=args.rule,
         lengths=args.lengths, search_windows=args.search_windows, search_evals=args.search_evals,
-        tensor_parallel=args.tensor_parallel)
+        joint_span=args.joint_span, tensor_parallel=args.tensor_parallel)
     r = pipeline.run(settings)
     print()
     print(pipeline.report(r))
@@ -102,8 +102,9 @@ def add_calibrate(sub) -> None:
     g.add_argument("--target-speedup", type=float, default=None, metavar="X",
                    help="instead of --anchors: the most accurate plan (most anchors by the DP) whose modelled "
                    "model-average attention speedup over dense is at least X (H200 kernel times at 128K tokens, "
-                   "decode at batch 32, prefill at batch 1; see --speedup-mode, --cost-shape, --cost-table). A target "
-                   "beyond the fastest plan is refused before the model is loaded")
+                   "decode at batch 32, prefill at batch 1; see --speedup-mode, --cost-shape, --cost-table). With "
+                   "--method measured the number of anchors and the per-layer budgets are searched together (see "
+                   "--joint-span). A target beyond the fastest plan is refused before the model is loaded")
     c.add_argument("--speedup-mode", default=cal.speedup_mode, choices=target.SPEEDUP_MODES,
                    help="which attention --target-speedup bounds, and which speedup orders the plans --target-"
                    f"agreement tries (both: the slower of the two) (default: {cal.speedup_mode})")
@@ -150,6 +151,11 @@ def add_calibrate(sub) -> None:
     c.add_argument("--search-evals", type=positive(), default=cal.search_evals,
                    help="with --method search / measured: how many plans the anchor search scores (per length for "
                    f"search) (default: {cal.search_evals})")
+    c.add_argument("--joint-span", type=integer(0), default=cal.joint_span, metavar="N",
+                   help="with --method measured and --target-speedup: besides the most anchors that meet the target, "
+                   "try up to N fewer, each spending the time it saves on larger per-layer budgets, and keep the "
+                   "plan of lowest KL on the search windows (each count costs about 30 + 3 x layers plan "
+                   f"evaluations) (default: {cal.joint_span})")
     c.add_argument("--tensor-parallel", type=positive(), default=None, metavar="N",
                    help="make the plan shard-local for N tensor-parallel ranks (the KV heads split evenly over them): "
                    "a reuse head that would follow an anchor head of another rank follows the most similar anchor "
