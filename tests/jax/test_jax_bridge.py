@@ -108,3 +108,18 @@ def test_dlpack_hands_buffers_over_without_copies():
     back = bridge._jax(t)
     assert back.unsafe_buffer_pointer() == t.data_ptr()
     assert isinstance(t, torch.Tensor)
+
+
+def test_triton_geometry_stays_on_the_host():
+    """The Triton backend's kv_start is read on the host by the torch op: the JAX side keeps it a NumPy array (no JAX
+    dispatch, no read-back from the device per call; docs/benchmarks/jax.md), with the same values and checks."""
+    from kascade.jax import _geometry
+
+    q, k, v = _qkv(device=_device())
+    starts, off = _geometry(q, k, v, None, None, "triton")
+    assert isinstance(starts, np.ndarray) and starts.dtype == np.int32 and starts.tolist() == [0] * q.shape[0]
+    given, _ = _geometry(q, k, v, jnp.array([0, 3]), None, "triton")
+    assert isinstance(given, np.ndarray) and given.tolist() == [0, 3] and off == k.shape[2] - q.shape[2]
+    with pytest.raises(ValueError, match="leaves a sequence without keys"):
+        _geometry(q, k, v, np.array([0, k.shape[2] + 5]), None, "triton")
+    assert isinstance(_geometry(q, k, v, None, None, "reference")[0], jax.Array)

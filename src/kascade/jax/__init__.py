@@ -48,8 +48,8 @@ def _traced(x) -> bool:
 
 
 def _geometry(q, k, v, kv_start, q_offset, backend):
-    """Check the arrays and the geometry; -> ``(kv_start, q_offset)`` (``kv_start`` an int32 array, a concrete one
-    range-checked, or the traced one as given)."""
+    """Check the arrays and the geometry; -> ``(kv_start, q_offset)`` (``kv_start`` an int32 array -- NumPy for the
+    Triton backend --, a concrete one range-checked, or the traced one as given)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -86,8 +86,11 @@ def _geometry(q, k, v, kv_start, q_offset, backend):
     q_offset = int(q_offset)
     if not 0 <= q_offset <= N - L:
         raise ValueError(f"q_offset={q_offset} puts the {L} queries outside the {N} key slots")
+    # The Triton backend reads kv_start on the host (the torch op plans there): keep it a NumPy array, which costs
+    # no JAX dispatch and no read-back; the reference keeps a JAX array.
+    host = backend == "triton"
     if kv_start is None:
-        return jnp.zeros(B, jnp.int32), q_offset
+        return (np.zeros(B, np.int32) if host else jnp.zeros(B, jnp.int32)), q_offset
     starts = kv_start if _traced(kv_start) else np.asarray(kv_start)
     if tuple(starts.shape) != (B,):
         raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
@@ -98,7 +101,7 @@ def _geometry(q, k, v, kv_start, q_offset, backend):
     if (starts < 0).any() or (starts > q_offset + L - 1).any():
         raise ValueError(f"kv_start {starts.tolist()} leaves a sequence without keys (valid range "
                          f"0..{q_offset + L - 1})")
-    return jnp.asarray(starts, jnp.int32), q_offset
+    return (starts.astype(np.int32) if host else jnp.asarray(starts, jnp.int32)), q_offset
 
 
 def _scale(scale, q):
