@@ -255,10 +255,11 @@ def _check_selection(sel: Selection, step: Step) -> None:
 
 
 def _check_selection_values(sel: Selection, step: Step) -> None:
-    """What only the values can tell (reads them back: not on the hot path): rows are this call's tiles, every
-    key is a valid key its row may see (before the tile in prefill), no key twice, -1 only at the end."""
-    s = sel.as_set()
-    idx = s.indices.long().cpu()
+    """What only the values can tell (not on the hot path: one read-back per call): rows are this call's tiles,
+    every key is a valid key its row may see (before the tile in prefill), no key twice, -1 only at the end. The
+    checks run where the indices are; only their three flags (and, for an error, its first offender) come back."""
+    idx = sel.as_set().indices
+    dev = idx.device
     if not step.decode:
         first, count = step.tiles()
         if idx.shape[2] != int(count.max()):
@@ -268,17 +269,21 @@ def _check_selection_values(sel: Selection, step: Step) -> None:
             raise ValueError(f"the selection's rows start at tiles {sel.row_start.tolist()}, this call's queries at "
                              f"{first.tolist()} (was it made for another chunk?)")
     pad = idx < 0
-    if bool((pad[..., :-1] & ~pad[..., 1:]).any()):
-        raise ValueError("selection rows must hold their keys first and -1 padding only at the end")
-    if bool((idx[..., 1:] == idx[..., :-1])[~pad[..., 1:]].any()):
-        raise ValueError("a selection row names the same key twice")
-    start = step.kv_start[:, None, None, None]
+    start = step.kv_start.to(dev)[:, None, None, None]
     if step.decode:
         end = (step.q_offset + 1) * torch.ones_like(start)
     else:
-        end = start + (first[:, None, None, None] + torch.arange(idx.shape[2])[None, None, :, None]) * step.budget.tile
+        rows = first.to(dev)[:, None, None, None] + torch.arange(idx.shape[2], device=dev)[None, None, :, None]
+        end = start + rows * step.budget.tile
     bad = ~pad & ((idx < start) | (idx >= end))
-    if bool(bad.any()):
+    misplaced, repeated, outside = torch.stack([
+        (pad[..., :-1] & ~pad[..., 1:]).any(), ((idx[..., 1:] == idx[..., :-1]) & ~pad[..., 1:]).any(),
+        bad.any()]).tolist()
+    if misplaced:
+        raise ValueError("selection rows must hold their keys first and -1 padding only at the end")
+    if repeated:
+        raise ValueError("a selection row names the same key twice")
+    if outside:
         b, h, r, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"selection key slot {int(idx[b, h, r, j])} (sequence {b}, head {h}, row {r}) is not a key "
                          f"that row may attend (valid: [{int(start[b, 0, 0, 0])}, {int(end[b, 0, r if not step.decode else 0, 0])}))")
