@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--plans", default=None, metavar="DIR",
                    help="read the DP plans from DIR/dp-<A>.json (another run's, e.g. made at another length) "
                    "instead of making them (default: OUT/plans)")
+    p.add_argument("--extra", nargs="+", default=[], metavar="NAME=FILE",
+                   help="more points: plan JSON files (e.g. joint-3.2=docs/frontier/plans/joint-3.2.json); not part "
+                   "of the run's settings, so they add to an existing run")
     p.add_argument("--seed", type=int, default=0, help="window seed (default: 0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default="docs/frontier", help="output folder (default: docs/frontier)")
@@ -102,6 +105,11 @@ def points(model, tok, a, out: Path) -> dict:
     for s in BASELINES:
         plan, sel = make_strategy(s, model)
         pts[s] = (plan, sel, s)
+    for item in a.extra:
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise SystemExit(f"--extra takes NAME=FILE, got {item!r}")
+        pts[name] = (KascadePlan.load(path), None, f"plan file {path}")
     return pts
 
 
