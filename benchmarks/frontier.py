@@ -205,8 +205,9 @@ def plot(path: Path, table: list[dict]) -> None:
                         fontsize=8)
     marks = dict(default="s", searched="D", faithful="^", streamingllm="x")
     for r in table:
-        if r["point"] in marks and r["decode"] is not None:
-            ax.plot([r["decode"]], [r["agreement"]], marks[r["point"]], ms=8, label=r["point"])
+        mark = marks.get(r["point"], "*" if r["point"].startswith("joint") else None)  # --extra joint-search plans
+        if mark and r["decode"] is not None:
+            ax.plot([r["decode"]], [r["agreement"]], mark, ms=8, label=r["point"])
     q = next((r for r in table if r["point"] == "quest"), None)
     if q:
         ax.axhline(q["agreement"], ls=":", c="gray", label="quest (speed not modelled)")
