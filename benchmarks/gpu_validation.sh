@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU checks owed by the runtime redesign and the reliability work, resumable over several device calls on one
+# warm machine (a call may run 10 minutes; all of this takes longer):
+#
+#   OLD_SRC=/tmp/old/src KASCADE_MODEL=/root/stage/smollm2.gguf bash benchmarks/gpu_validation.sh OUT [STEP ...]
+#
+# Steps, in this order by default (a finished step is skipped on the next call, one that ended with status 2 -- a
+# usage error -- is not; logs stay in $STATE):
+#   kernels-decode kernels-prefill kernels-dispatch kernels-fuzz kernels-hf kernels-jax
+#                       the GPU mode of the kernel tests, one file per step (KASCADE_TEST_DEVICE=cuda, size scale
+#                       KASCADE_TEST_SCALE, default 4), failures summarised (-rfE)
+#   eq-old eq-new eq-compare
+#                       runtime_equivalence.py on the default model, Triton backend, EQ_DTYPES (default bf16), of the
+#                       tree in OLD_SRC and of src/, then their comparison (about 20 s per plan and dtype per tree)
+#   bench-old bench-new `kascade bench --device cuda` of both trees, llama8b shapes, 32K and 128K, B 1 and 8
+# Each step prints one line into OUT/summary.txt (and the call's output); the logs of every step so far are packed
+# into OUT/logs.tar.gz (a device call returns only a few files). STATE (default /root/gpu-validation) keeps the
+# finished steps while the machine stays warm.
+set -uo pipefail
+out=${1:?usage: gpu_validation.sh OUT [STEP ...]}
+shift
+state=${STATE:-/root/gpu-validation}
+mkdir -p "$out" "$state"
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+new=$root/src
+old=${OLD_SRC:-}
+scale=${KASCADE_TEST_SCALE:-4}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+all=(kernels-decode kernels-prefill kernels-dispatch kernels-fuzz kernels-hf kernels-jax eq-old eq-new eq-compare
+     bench-old bench-new)
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=("${all[@]}")
+
+kernel_tests() {  # file -> pytest on the GPU
+  (cd "$root" && PYTHONPATH="$new${PYTHONPATH:+:$PYTHONPATH}" KASCADE_TEST_DEVICE=cuda KASCADE_TEST_SCALE=$scale \
+    python3 -m pytest "$1" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
+}
+record() {  # tree src -> equivalence recording
+  [[ -n $2 ]] || { echo "OLD_SRC is not set (e.g. git archive ee1568f src | tar -x -C /tmp/old)"; return 2; }
+  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 "$here/runtime_equivalence.py" record --device cuda \
+    --backend triton --dtypes ${EQ_DTYPES:-bf16} ${KASCADE_MODEL:+--model "$KASCADE_MODEL"} --out "$state/eq_$1.pt"
+}
+bench() {  # tree src
+  [[ -n $2 ]] || { echo "OLD_SRC is not set"; return 2; }
+  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 -m kascade.cli bench --device cuda --models llama8b \
+    --lengths 32768 131072 --batches 1 8 --time-budget 420 --out "$state/bench_$1"
+}
+run_step() {
+  case $1 in
+    kernels-decode) kernel_tests tests/ops/test_triton_decode.py ;;
+    kernels-prefill) kernel_tests tests/ops/test_triton_prefill.py ;;
+    kernels-dispatch) kernel_tests tests/ops/test_triton_dispatch.py ;;
+    kernels-fuzz) kernel_tests tests/ops/test_triton_fuzz.py ;;
+    kernels-hf) kernel_tests tests/integration/test_hf_triton.py ;;
+    kernels-jax) kernel_tests tests/jax/test_jax_bridge.py ;;
+    eq-old) record old "$old" ;;
+    eq-new) record new "$new" ;;
+    eq-compare) python3 "$here/runtime_equivalence.py" compare "$state/eq_old.pt" "$state/eq_new.pt" --atol 1e9 \
+                  --verbose | tee "$state/equivalence.md" ;;
+    bench-old) bench old "$old" ;;
+    bench-new) bench new "$new" ;;
+    *) echo "unknown step $1; steps: ${all[*]}"; return 2 ;;
+  esac
+}
+for s in "${steps[@]}"; do
+  if [[ -f $state/$s.rc ]]; then
+    echo "$s: done before (rc $(cat "$state/$s.rc"))"
+    continue
+  fi
+  t0=$SECONDS
+  run_step "$s" > "$state/$s.log" 2>&1
+  rc=$?
+  [[ $rc == 2 ]] || echo $rc > "$state/$s.rc"  # 2: a usage error (or an interrupted pytest): run it again next time
+  last=$(grep -E "passed|failed|error|largest difference|wrote|Error|not set" "$state/$s.log" | tail -n 1 | cut -c1-300)
+  echo "$s: rc $rc in $((SECONDS - t0)) s: $last" | tee -a "$out/summary.txt"
+  grep -E "^(FAILED|ERROR) " "$state/$s.log" | head -n 20 | tee -a "$out/summary.txt"
+  tar -czf "$out/logs.tar.gz" -C "$state" --exclude='*.pt' . 2>/dev/null
+done
