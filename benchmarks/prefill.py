@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 
 import triton
-from triton.testing import do_bench
 
 from kascade.budget import Budget
+from kascade.costs_measure import cuda_us
 from kascade.ops import reference
 from kascade.ops.triton import prefill as tp
 
@@ -45,24 +45,8 @@ def log(*a):
 
 
 def bench(fn):
-    """Median ms: do_bench for short ops; three event-timed runs for long ones (do_bench would run them ~10x)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    one = (time.perf_counter() - t0) * 1e3
-    if one < 15:
-        return do_bench(fn, warmup=5 * one + 1, rep=max(20 * one, 10.0), return_mode="median")
-    ts = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[1]
+    """Median ms (kascade.costs_measure.cuda_us: do_bench for short ops, three event-timed runs for long ones)."""
+    return cuda_us(fn) / 1e3
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -107,7 +107,10 @@ def check_out(path) -> Path:
 # ------------------------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------------------------
-def _cuda_us(fn) -> float:
+def cuda_us(fn, long_repeats: int = 3) -> float:
+    """Median microseconds of ``fn`` on the GPU after a warm-up: ``triton.testing.do_bench`` for ops under 15 ms,
+    else the median of ``long_repeats`` CUDA-event timed calls (do_bench would run a long op ~10 times). The
+    benchmarks time with it too."""
     from triton.testing import do_bench
 
     fn()
@@ -119,17 +122,18 @@ def _cuda_us(fn) -> float:
     if one < 15:
         return do_bench(fn, warmup=5 * one + 1, rep=max(20 * one, 10.0), return_mode="median") * 1e3
     ts = []
-    for _ in range(3):  # do_bench would run a long op ~10 times
+    for _ in range(long_repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
-    return sorted(ts)[1] * 1e3
+    return statistics.median(ts) * 1e3
 
 
-def _wall_us(fn, repeats: int = 5) -> float:
+def wall_us(fn, repeats: int = 5) -> float:
+    """Median wall-clock microseconds of ``repeats`` calls of ``fn`` after a warm-up (CPU timings)."""
     fn()  # warm-up
     ts = []
     for _ in range(repeats):
@@ -170,7 +174,7 @@ def measure_one(mode: str, shape: Shape, batch: int, length: int, *, budget: Bud
                 backend: str) -> dict:
     """One row of the table: times in microseconds (module docstring)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = _cuda_us if device.type == "cuda" else _wall_us
+    timer = cuda_us if device.type == "cuda" else wall_us
     g = torch.Generator(device=device).manual_seed(length)
     L = 1 if mode == "decode" else length
     q = torch.randn(batch, shape.num_q_heads, L, shape.head_dim, generator=g, device=device, dtype=dtype)
