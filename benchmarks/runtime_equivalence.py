@@ -172,13 +172,12 @@ def record(args) -> None:
             except ValueError as e:  # a plan this tree's backend refuses (e.g. a baseline the kernels do not serve)
                 result[key] = {REFUSED: str(e).splitlines()[0]}
                 print(f"refused {key}: {result[key][REFUSED]}", flush=True)
-                continue
-            if name in ("default", "searched", "faithful"):
-                result[key].update(_generate(model, plan, args.backend, ids.to(args.device)))
-            print(f"recorded {key}", flush=True)
+            else:
+                if name in ("default", "searched", "faithful"):
+                    result[key].update(_generate(model, plan, args.backend, ids.to(args.device)))
+                print(f"recorded {key}", flush=True)
             # written after every plan: a run cut short keeps what it recorded
             torch.save(dict(device=args.device, dtypes=args.dtypes, backend=args.backend, cases=result), args.out)
-    torch.save(dict(device=args.device, dtypes=args.dtypes, backend=args.backend, cases=result), args.out)
     print(f"wrote {args.out}")
 
 

@@ -46,7 +46,7 @@ def joint_plan(model, stats, windows, s, most: int, *, span: int = 2, progress: 
     """The most faithful plan (lowest KL on ``windows``) among the candidates of ``most`` .. ``most - span`` anchors
     (module docstring), and every candidate tried: ``{anchors, mean_scale, kl, speedups}``."""
     scorer = DenseReference(model, windows)
-    tried, plans = [], []
+    candidates = []  # (row, plan)
     for a in range(most, max(1, most - span) - 1, -1):
         base, _ = searched_plan(model, stats, windows, a, "faithful", max_evals=s.search_evals, progress=progress,
                                 log=log, scorer=scorer, budget=s.budget)
@@ -55,19 +55,16 @@ def joint_plan(model, stats, windows, s, most: int, *, span: int = 2, progress: 
         if plan is None:
             log(f"  {a} anchors: no per-layer budgets of the grid meet {s.target_speedup:g}x")
             continue
-        kl = scorer(plan)["kl"]
-        mean = total * UNIT / max(1, plan.num_layers - 1)
-        row = dict(anchors=list(plan.anchors), mean_scale=mean, kl=kl, speedups=target.speedups(plan, s))
-        log(f"  {a} anchors {row['anchors']}, mean budget x{mean:.2f}: KL {kl:.4f} ("
+        row = dict(anchors=list(plan.anchors), mean_scale=total * UNIT / max(1, plan.num_layers - 1),
+                   kl=scorer(plan)["kl"], speedups=target.speedups(plan, s))
+        log(f"  {a} anchors {row['anchors']}, mean budget x{row['mean_scale']:.2f}: KL {row['kl']:.4f} ("
             + ", ".join(f"{m} {x:.2f}x" for m, x in row["speedups"].items()) + ")")
-        tried.append(row)
-        plans.append(plan)
-    if not plans:
+        candidates.append((row, plan))
+    if not candidates:
         raise ValueError(f"no plan of {max(1, most - span)}..{most} anchors meets --target-speedup "
                          f"{s.target_speedup:g} with per-layer budgets")
-    i = min(range(len(tried)), key=lambda j: tried[j]["kl"])
-    best = plans[i]
+    row, best = min(candidates, key=lambda c: c[0]["kl"])
     note = (f"; anchors and per-layer budgets searched together for {s.target_speedup:g}x ({s.speedup_mode}): "
-            f"{len(tried)} candidates of {max(1, most - span)}..{most} anchors, lowest KL {tried[i]['kl']:.4f} "
-            f"at mean budget x{tried[i]['mean_scale']:.2f}")
-    return dataclasses.replace(best, source=best.source + note), tried
+            f"{len(candidates)} candidates of {max(1, most - span)}..{most} anchors, lowest KL {row['kl']:.4f} "
+            f"at mean budget x{row['mean_scale']:.2f}")
+    return dataclasses.replace(best, source=best.source + note), [r for r, _ in candidates]
