@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks owed by the runtime redesign and the reliability work, resumable over several device calls on one
-# warm machine (a call may run 10 minutes; all of this takes longer):
+# The GPU checks of a change to the runtime or the kernels: the kernel tests in GPU mode, and a before / after of two
+# source trees (logits and generated tokens, then `kascade bench`), resumable over several device calls on one warm
+# machine (a call may run 10 minutes; all of this takes longer):
 #
 #   OLD_SRC=/tmp/old/src KASCADE_MODEL=/root/stage/smollm2.gguf bash benchmarks/gpu_validation.sh OUT [STEP ...]
+#
+# OLD_SRC / NEW_SRC (default: this checkout's src): folders holding a `kascade` package, e.g.
+# `git archive REV src | tar -x -C old`. Each bench times dense itself in the same process: compare the ratios, and
+# the absolute times of the two runs, which ran back to back on one GPU.
 #
 # Steps, in this order by default (a finished step is skipped on the next call, one that ended with status 2 -- a
 # usage error -- is not; logs stay in $STATE):
@@ -12,7 +17,8 @@
 #   eq-old eq-new eq-compare
 #                       runtime_equivalence.py on the default model, Triton backend, EQ_DTYPES (default bf16), of the
 #                       tree in OLD_SRC and of src/, then their comparison (about 20 s per plan and dtype per tree)
-#   bench-old bench-new `kascade bench --device cuda` of both trees, llama8b shapes, 32K and 128K, B 1 and 8
+#   bench-old bench-new `kascade bench --device cuda` of both trees with BENCH_ARGS (default: llama8b shapes, 32K and
+#                       128K, B 1 and 8)
 # Each step prints one line into OUT/summary.txt (and the call's output); the logs of every step so far are packed
 # into OUT/logs.tar.gz (a device call returns only a few files). STATE (default /root/gpu-validation) keeps the
 # finished steps while the machine stays warm.
@@ -23,7 +29,7 @@ state=${STATE:-/root/gpu-validation}
 mkdir -p "$out" "$state"
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-new=$root/src
+new=${NEW_SRC:-$root/src}
 old=${OLD_SRC:-}
 scale=${KASCADE_TEST_SCALE:-4}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -43,8 +49,8 @@ record() {  # tree src -> equivalence recording
 }
 bench() {  # tree src
   [[ -n $2 ]] || { echo "OLD_SRC is not set"; return 2; }
-  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 -m kascade.cli bench --device cuda --models llama8b \
-    --lengths 32768 131072 --batches 1 8 --time-budget 420 --out "$state/bench_$1"
+  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 -m kascade.cli bench --device cuda \
+    ${BENCH_ARGS:---models llama8b --lengths 32768 131072 --batches 1 8 --time-budget 420} --out "$state/bench_$1"
 }
 run_step() {
   case $1 in
