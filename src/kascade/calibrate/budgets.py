@@ -71,13 +71,11 @@ def monotone_costs(sens: dict, grid=MEASURED_GRID) -> dict[int, dict[float, floa
     return out
 
 
-def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5,
-                    total: int | None = None) -> tuple[float, ...]:
-    """Per-layer budget multipliers from :func:`layer_sensitivity`'s table: one scale of ``grid`` per layer 1..L-1
-    minimising the sum of the measured KL changes (each layer's change measured alone: an additive model, made
-    monotone by :func:`monotone_costs`), with the scales over layers 1..L-1 summing to exactly ``total`` units of
-    ``unit`` (default: a mean of 1, the same average budget). Exact, by dynamic programming over the budget in units
-    of ``unit`` (every grid value must be a multiple of it). Layer 0 (dense) keeps 1."""
+def allocations(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5) -> dict[int, tuple]:
+    """For every reachable total budget (in units of ``unit`` over layers 1..L-1), the per-layer multipliers from
+    :func:`layer_sensitivity`'s table that minimise the sum of the measured KL changes (each layer's change measured
+    alone: an additive model, made monotone by :func:`monotone_costs`): ``{total: (1.0, scale_1, ...)}``. Exact, by
+    one dynamic program over the budget (every grid value must be a multiple of ``unit``). Layer 0 (dense) keeps 1."""
     units = {}
     for s in grid:
         u = s / unit
@@ -87,12 +85,6 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
     if 1.0 not in units:
         raise ValueError("the grid must contain 1.0")
     layers = list(range(1, num_layers))
-    if total is None:
-        total = units[1.0] * len(layers)
-    lo, hi = min(units.values()) * len(layers), max(units.values()) * len(layers)
-    if isinstance(total, bool) or not isinstance(total, int) or not lo <= total <= hi:
-        raise ValueError(f"total must be a whole number of units in [{lo}, {hi}] for {len(layers)} layers, got "
-                         f"{total!r}")
     costs = monotone_costs(sens, grid)
     missing = [(l, s) for l in layers for s in grid if s not in costs.get(l, {})]
     if missing:
@@ -104,21 +96,36 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
         nxt = {}
         for c, (v, ch) in best.items():
             for s, u in units.items():
-                c2 = c + u
-                if c2 > total:
-                    continue
                 v2 = v + costs[l][s]
-                if c2 not in nxt or v2 < nxt[c2][0]:
-                    nxt[c2] = (v2, ch + (s,))
+                if c + u not in nxt or v2 < nxt[c + u][0]:
+                    nxt[c + u] = (v2, ch + (s,))
         best = nxt
-    if total not in best:
+    return {c: (1.0, *(float(s) for s in ch)) for c, (_, ch) in best.items()}
+
+
+def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5,
+                    total: int | None = None) -> tuple[float, ...]:
+    """:func:`allocations` at one total: the scales over layers 1..L-1 summing to exactly ``total`` units of ``unit``
+    (default: a mean of 1, the same average budget)."""
+    table = allocations(sens, num_layers, grid, unit=unit)
+    n = num_layers - 1
+    if total is None:
+        total = int(round(1.0 / unit)) * n
+    lo, hi = min(table), max(table)
+    if isinstance(total, bool) or not isinstance(total, int) or not lo <= total <= hi:
+        raise ValueError(f"total must be a whole number of units in [{lo}, {hi}] for {n} layers, got {total!r}")
+    if total not in table:
         raise ValueError(f"no allocation of the grid sums to {total} units exactly")
-    return (1.0, *(float(s) for s in best[total][1]))
+    return table[total]
+
+
+def budgeted_plan(plan: KascadePlan, scales, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
+    """``plan`` with per-layer budget multipliers ``scales`` (one per layer) chosen from ``sens`` over ``grid``."""
+    return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
+        f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))
 
 
 def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "",
                          total: int | None = None) -> KascadePlan:
     """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid`` (``total``: its sum of units)."""
-    scales = allocate_scales(sens, plan.num_layers, grid, total=total)
-    return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
-        f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))
+    return budgeted_plan(plan, allocate_scales(sens, plan.num_layers, grid, total=total), sens, grid, source)

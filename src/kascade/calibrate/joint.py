@@ -9,8 +9,8 @@ model to model. For each anchor count from the most that meets the target at one
 1. the anchors of the measured search (:func:`~kascade.calibrate.search.searched_plan`);
 2. each layer's measured sensitivity to its budget (:func:`~kascade.calibrate.budgets.layer_sensitivity`);
 3. the per-layer budgets of the largest total budget whose plan still meets the target
-   (:func:`~kascade.calibrate.budgets.allocate_scales` over the grid, the cost model of :mod:`kascade.costs` judging
-   each total from the largest down);
+   (:func:`~kascade.calibrate.budgets.allocations`: one DP gives every total's best budgets; the cost model of
+   :mod:`kascade.costs` judges the totals from the largest down);
 
 then the candidate with the lowest KL against dense on the same development windows. Held-out windows are never
 used, so ``kascade eval`` on them stays an honest test of the choice.
@@ -23,7 +23,7 @@ import dataclasses
 from ..fidelity import DenseReference
 from ..plan import KascadePlan
 from . import target
-from .budgets import MEASURED_GRID, layer_sensitivity, measured_budget_plan
+from .budgets import MEASURED_GRID, allocations, budgeted_plan, layer_sensitivity
 from .search import searched_plan
 
 UNIT = 0.5  # the grid's step: totals are counted in it
@@ -32,10 +32,9 @@ UNIT = 0.5  # the grid's step: totals are counted in it
 def largest_within(base: KascadePlan, sens: dict, s, grid=MEASURED_GRID) -> tuple[KascadePlan | None, int | None]:
     """``base`` with the per-layer budgets of the largest total (in units of ``UNIT`` over layers 1..L-1) whose plan
     meets ``s.target_speedup``; ``(None, None)`` when even the smallest total misses it."""
-    n = base.num_layers - 1
-    units = [int(round(g / UNIT)) for g in grid]
-    for total in range(max(units) * n, min(units) * n - 1, -1):
-        plan = measured_budget_plan(base, sens, grid, total=total)
+    table = allocations(sens, base.num_layers, grid, unit=UNIT)
+    for total in sorted(table, reverse=True):
+        plan = budgeted_plan(base, table[total], sens, grid)
         if target.meets(plan, s):
             return plan, total
     return None, None
