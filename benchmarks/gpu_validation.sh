@@ -13,7 +13,8 @@
 # usage error -- is not; logs stay in $STATE):
 #   kernels-decode kernels-prefill kernels-dispatch kernels-fuzz kernels-hf kernels-jax
 #                       the GPU mode of the kernel tests, one file per step (KASCADE_TEST_DEVICE=cuda, size scale
-#                       KASCADE_TEST_SCALE, default 4), failures summarised (-rfE)
+#                       KASCADE_TEST_SCALE, default 4), failures summarised (-rfE), each cut after KERNEL_TIMEOUT
+#                       seconds (default 240; the summary then counts the tests that had passed)
 #   eq-old eq-new eq-compare
 #                       runtime_equivalence.py on the default model, Triton backend, EQ_DTYPES (default bf16), of the
 #                       tree in OLD_SRC and of src/, then their comparison (about 20 s per plan and dtype per tree)
@@ -40,7 +41,14 @@ steps=("$@")
 
 kernel_tests() {  # file -> pytest on the GPU
   (cd "$root" && PYTHONPATH="$new${PYTHONPATH:+:$PYTHONPATH}" KASCADE_TEST_DEVICE=cuda KASCADE_TEST_SCALE=$scale \
-    python3 -m pytest "$1" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
+    timeout -k 10 "${KERNEL_TIMEOUT:-240}" python3 -m pytest "$1" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
+  local rc=$?
+  if [[ $rc == 124 ]]; then  # cut: how far it got (pytest -q prints one character per finished test)
+    echo "timed out after ${KERNEL_TIMEOUT:-240} s: $(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" \
+      | tr -cd '.' | wc -c) passed, $(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" | tr -cd 'FE' \
+      | wc -c) failed so far"
+  fi
+  return $rc
 }
 record() {  # tree src -> equivalence recording
   [[ -n $2 ]] || { echo "OLD_SRC is not set (e.g. git archive ee1568f src | tar -x -C /tmp/old)"; return 2; }
@@ -75,10 +83,11 @@ for s in "${steps[@]}"; do
     continue
   fi
   t0=$SECONDS
+  step=$s
   run_step "$s" > "$state/$s.log" 2>&1
   rc=$?
   [[ $rc == 2 ]] || echo $rc > "$state/$s.rc"  # 2: a usage error (or an interrupted pytest): run it again next time
-  last=$(grep -E "passed|failed|error|largest difference|wrote|Error|not set" "$state/$s.log" | tail -n 1 | cut -c1-300)
+  last=$(grep -E "timed out|passed|failed|error|largest difference|wrote|Error|not set" "$state/$s.log" | tail -n 1 | cut -c1-300)
   echo "$s: rc $rc in $((SECONDS - t0)) s: $last" | tee -a "$out/summary.txt"
   grep -E "^(FAILED|ERROR) " "$state/$s.log" | head -n 20 | tee -a "$out/summary.txt"
   tar -czf "$out/logs.tar.gz" -C "$state" --exclude='*.pt' . 2>/dev/null
