@@ -66,6 +66,9 @@ def tiny_model(family: str = "llama", **overrides):
     kw.update(overrides)
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kw)).eval()
+    # Random weights: the end-of-sequence token is an arbitrary token here. A generation must not stop (or pad) when
+    # it happens to come up, or generate() and a decoder that ignores it (GraphDecoder) produce different lengths.
+    model.generation_config.eos_token_id = None
     return model
 
 
