@@ -9,7 +9,11 @@ For each configuration (shape, mode, batch, length; bf16, random inputs, 10% bud
   layer) and ``sparse_attention`` alone (a reuse layer), backend "triton", eager;
 - torch Kascade: the same three through :mod:`kascade.ops` (backend "triton") on torch tensors, each call planning
   its own step as the JAX ops do (the difference is the bridge: argument checks in JAX and DLPack views);
-- for decode, ``kascade.jax`` backend "reference" under ``jax.jit`` (XLA's code for the specification).
+- for decode, ``kascade.jax`` backend "reference" under ``jax.jit`` (XLA's code for the specification);
+- the planned path, as a model's forward runs it: :class:`kascade.jax.Attention` (backend "triton") and
+  :class:`kascade.Attention` (the PyTorch runtime it hands the buffers to), one step plan per pass, no value checks,
+  layer 1 an anchor and layer 2 a reuse layer of a 3-layer plan; with torch's dense attention (SDPA, cuDNN first)
+  timed the same way, so that the per-layer ratios of both frameworks can be set side by side.
 Each time is the mean of a loop of calls synchronised once (host dispatch included, as a decode loop pays it), the
 median of five loops after warm-up. Before timing, the JAX outputs are checked against the torch ops' (same kernels:
 equal) and, at the smallest configuration, against the JAX reference (dtype tolerance). Writes OUT/jax.json and
@@ -33,8 +37,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import kascade  # noqa: E402
 import kascade.jax as kj  # noqa: E402
-from kascade import Budget, ops  # noqa: E402
+from kascade import Budget, KascadePlan, ModelFingerprint, ops  # noqa: E402
 from kascade.bench.report import environment  # noqa: E402
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -124,9 +129,41 @@ def run_config(shape: str, mode: str, B: int, N: int, budget: Budget, check_refe
         row["us"]["jax_reference_jit_anchor"] = time_us(lambda: att_r(q, k, v, sel_r(q, k, budget=budget)))
         sel_ref = sel_r(q, k, budget=budget)
         row["us"]["jax_reference_jit_reuse"] = time_us(lambda: att_r(q, k, v, sel_ref))
+    planned(row, (q, k, v), (tq, tk, tv), budget, causal=mode == "prefill")
     dense = [t for key, t in row["us"].items() if key.startswith("jax_dense") and t is not None]
     row["jax_dense_best_us"] = min(dense) if dense else None
     return row
+
+
+def planned(row: dict, jax_qkv, torch_qkv, budget: Budget, causal: bool) -> None:
+    """The planned path of both frameworks (module docstring) and torch's dense attention, into ``row``."""
+    (q, k, v), (tq, tk, tv) = jax_qkv, torch_qkv
+    HQ, H, D = tq.shape[1], tk.shape[1], tq.shape[-1]
+    plan = KascadePlan(ModelFingerprint("bench", 3, HQ, H, D), (0, 1), (tuple(range(H)),) * 3, ratio=budget.ratio,
+                       k_min=budget.k_min, tile=budget.tile)
+    jattn, tattn = kj.Attention(plan, backend="triton"), kascade.Attention(plan, backend="triton")
+    jf, tf = kj.Forward(), kascade.Forward()
+    outs = [(jattn(layer, q, k, v, jf), tattn(layer, tq, tk, tv, tf)) for layer in range(3)]
+    row["checks"]["planned_jax_vs_torch_max_abs"] = max(
+        float((torch.from_dlpack(j).float() - t.float()).abs().max()) for j, t in outs)
+    row["us"]["jax_planned_anchor"] = time_us(lambda: jattn(1, q, k, v, jf))
+    row["us"]["jax_planned_reuse"] = time_us(lambda: jattn(2, q, k, v, jf))
+    row["us"]["torch_planned_anchor"] = time_us(lambda: tattn(1, tq, tk, tv, tf))
+    row["us"]["torch_planned_reuse"] = time_us(lambda: tattn(2, tq, tk, tv, tf))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    best = []
+    for backends in ([SDPBackend.CUDNN_ATTENTION], None):  # cuDNN alone, then PyTorch's own choice
+        try:
+            if backends is None:
+                best.append(time_us(lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)))
+            else:
+                with sdpa_kernel(backends):
+                    best.append(time_us(lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)))
+        except RuntimeError as e:  # a backend that does not take this shape: recorded
+            row.setdefault("notes", []).append(f"torch SDPA {backends}: {str(e).splitlines()[0][:200]}")
+    row["us"]["torch_dense_best"] = min(best) if best else None
 
 
 def write(result: dict, out: Path) -> None:
@@ -151,6 +188,20 @@ def write(result: dict, out: Path) -> None:
                      f"{f(u['jax_reuse'])} | {f(ra, '.2f')}x | {f(rr, '.2f')}x | {f(u['torch_anchor'])} | "
                      f"{f(u['torch_reuse'])} | {f(u.get('jax_reference_jit_anchor'))} | "
                      f"{f(u.get('jax_reference_jit_reuse'))} |")
+    lines += ["", "The planned path (a pass of `kascade.jax.Attention` / `kascade.Attention`, one step plan per pass; "
+              "us per layer call; ratios to each framework's best dense attention in this run):", "",
+              "| shape | mode | B | N | JAX anchor | JAX reuse | torch anchor | torch reuse | JAX / torch anchor | "
+              "JAX / torch reuse | JAX anchor / dense | JAX reuse / dense | torch anchor / dense | "
+              "torch reuse / dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        u, dj, dt = r["us"], r["jax_dense_best_us"], r["us"].get("torch_dense_best")
+        if "jax_planned_anchor" not in u:
+            continue
+        ja, jr, ta, tr = (u[f"{w}_planned_{x}"] for w in ("jax", "torch") for x in ("anchor", "reuse"))
+        lines.append(f"| {r['shape']} | {r['mode']} | {r['batch']} | {r['length']} | {f(ja)} | {f(jr)} | {f(ta)} | "
+                     f"{f(tr)} | {f(ja / ta, '.2f')}x | {f(jr / tr, '.2f')}x | "
+                     f"{f(None if dj is None else ja / dj, '.2f')}x | {f(None if dj is None else jr / dj, '.2f')}x | "
+                     f"{f(None if dt is None else ta / dt, '.2f')}x | {f(None if dt is None else tr / dt, '.2f')}x |")
     lines += ["", "Checks (max abs difference): " + "; ".join(
         f"{r['shape']} {r['mode']} B={r['batch']} N={r['length']}: " +
         ", ".join(f"{k} {v:.3g}" for k, v in r["checks"].items()) for r in result["rows"])]

@@ -4,8 +4,9 @@ attention runs the Kascade JAX ops (:mod:`kascade.jax`) layer by layer, with a p
     python examples/jax_decoder.py [--layers 4] [--ratio 0.25] [--steps 8] [--dense]
 
 A left-padded batch of two random prompts is prefilled into a static KV cache (``[B, H, capacity, D]`` per layer,
-``kv_start`` marks each sequence's first slot), then decoded greedily, one token per step. Per layer, following the
-plan (:mod:`kascade.reuse`, the paper's rule):
+``kv_start`` marks each sequence's first slot), then decoded greedily, one token per step. Attention is one
+:class:`kascade.jax.Attention` for the model and one :class:`kascade.jax.Forward` per forward pass; per layer it does
+what the plan says (:mod:`kascade.reuse`, the paper's rule):
 
 - layer 0 is dense and, being an anchor, also selects the top-k keys of every KV head;
 - every other anchor selects its own keys and attends to them;
@@ -82,23 +83,6 @@ def rope(x, pos, theta: float = 10000.0):
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
-def attention(layer: int, q, k, v, *, plan: KascadePlan | None, kv_start, q_offset: int, selections: dict):
-    """One layer's attention; ``selections`` collects the anchors' selections of this forward (and, for the
-    caller's inspection, the set each layer attended)."""
-    geo = dict(kv_start=kv_start, q_offset=q_offset)
-    if plan is None:
-        return kj.dense_attention(q, k, v, **geo)
-    if plan.is_anchor(layer):
-        sel = kj.select(q, k, budget=plan.budget, **geo)
-        if layer == 0:  # dense: its attention is too flat to sparsify; it selects for the layers after it
-            selections[layer] = sel
-            return kj.dense_attention(q, k, v, **geo)
-    else:
-        sel = selections[plan.anchor_of(layer)].take_heads(plan.head_map[layer])
-    selections[layer] = sel
-    return kj.sparse_attention(q, k, v, sel, **geo)
-
-
 @jax.jit
 def _embed(table, tokens, kv_start, q_offset):
     """Token embeddings and RoPE positions, counted from each sequence's first token: ``([B, L, dim], [B, L])``."""
@@ -132,47 +116,48 @@ def _logits(params, x):
     return rms_norm(x, params["norm"]) @ params["lm_head"]
 
 
-def forward(params, tokens, cache, *, kv_start, q_offset: int, plan: KascadePlan | None):
-    """``tokens [B, L]`` at cache slots ``q_offset ..``: ``(logits [B, L, vocab], cache, selections)``.
+def forward(params, tokens, cache, *, kv_start, q_offset: int, attn: kj.Attention | None):
+    """``tokens [B, L]`` at cache slots ``q_offset ..``: ``(logits [B, L, vocab], cache)``; ``attn`` None: dense.
 
     The layers' dense parts are jitted with ``q_offset`` as a value (one program for prefill, one for decode); the
     attention ops, whose ``q_offset`` is static, are called eagerly (each runs as one compiled program per shape
     and budget). A jit of the whole forward works too, but compiles anew at every decode step."""
     x, pos = _embed(params["embed"], tokens, kv_start, q_offset)
-    selections, new_cache = {}, []
+    fwd = kj.Forward(kv_start=kv_start, q_offset=q_offset)  # this pass: anchors' selections live here, layer to layer
+    new_cache = []
     for layer, p in enumerate(params["layers"]):
         q, ck, cv = _qkv(p, x, pos, *cache[layer], q_offset)
         new_cache.append((ck, cv))
-        o = attention(layer, q, ck, cv, plan=plan, kv_start=kv_start, q_offset=q_offset, selections=selections)
+        if attn is None:
+            o = kj.dense_attention(q, ck, cv, kv_start=kv_start, q_offset=q_offset)
+        else:
+            o = attn(layer, q, ck, cv, fwd)
         x = _out_mlp(p, x, o)
-    return _logits(params, x), new_cache, selections
+    return _logits(params, x), new_cache
 
 
 def generate(params, cfg: Config, prompts: list[list[int]], steps: int, plan: KascadePlan | None) -> dict:
     """Greedy decoding of left-padded ``prompts``. Returns the new tokens ``[B, steps]``, the logits of every real
-    position (prefill ``[B, P, vocab]``, zeros at padding; decode ``[B, steps, vocab]``), as NumPy arrays, and
-    each forward's per-layer selections."""
-    if plan is not None and plan.ranked:
-        raise ValueError("this decoder follows the paper's reuse rule (anchors and head map), not a ranked plan")
+    position (prefill ``[B, P, vocab]``, zeros at padding; decode ``[B, steps, vocab]``), as NumPy arrays."""
+    attn = None if plan is None else kj.Attention(plan)  # once per model
     B, P = len(prompts), max(map(len, prompts))
     starts = np.array([P - len(p) for p in prompts], np.int32)
     kv_start = jnp.asarray(starts)
     tokens = jnp.asarray([[0] * (P - len(p)) + list(p) for p in prompts], jnp.int32)
     shape = (B, cfg.kv_heads, P + steps, cfg.head_dim)
     cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.layers)]
-    logits, cache, sel = forward(params, tokens, cache, kv_start=kv_start, q_offset=0, plan=plan)
+    logits, cache = forward(params, tokens, cache, kv_start=kv_start, q_offset=0, attn=attn)
     logits = np.asarray(logits)
     real = np.arange(P)[None, :] >= starts[:, None]
-    out = dict(prefill_logits=np.where(real[..., None], logits, 0), selections=[sel])
+    out = dict(prefill_logits=np.where(real[..., None], logits, 0))
     new, step_logits = [], []
     for step in range(steps):
         nxt = logits[:, -1].argmax(-1)
         new.append(nxt)
-        logits, cache, sel = forward(params, jnp.asarray(nxt[:, None], jnp.int32), cache, kv_start=kv_start,
-                                     q_offset=P + step, plan=plan)
+        logits, cache = forward(params, jnp.asarray(nxt[:, None], jnp.int32), cache, kv_start=kv_start,
+                                q_offset=P + step, attn=attn)
         logits = np.asarray(logits)
         step_logits.append(logits[:, 0])
-        out["selections"].append(sel)
     out["tokens"], out["decode_logits"] = np.stack(new, 1), np.stack(step_logits, 1)
     return out
 
@@ -192,13 +177,11 @@ def main(*, layers: int = 4, dim: int = 128, q_heads: int = 8, kv_heads: int = 2
     if verbose:
         what = "dense attention" if plan is None else f"Kascade, anchors {list(plan.anchors)}, {plan.budget}"
         print(f"{cfg.layers} layers, {cfg.q_heads} query / {cfg.kv_heads} KV heads; {what}")
-        last = out["selections"][-1]
         for b, row in enumerate(out["tokens"].tolist()):
             line = f"sequence {b} (prompt {len(prompts[b])} tokens): {row}"
             if plan is not None:
-                n = len(prompts[b]) + steps - 1  # keys of the last decode step
-                kept = np.asarray(last[1].attended_counts()[b, :, 0]).tolist()
-                line += f"  (last step, layer 1 attends {kept} of {n} keys per KV head)"
+                n = len(prompts[b]) + steps  # keys of the last decode step
+                line += f"  (last step: layers 1.. attend {int(plan.budget.decode(n))} of its {n} keys per KV head)"
             print(line)
     return out
 

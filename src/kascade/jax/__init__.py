@@ -22,6 +22,10 @@ A selection's shape depends only on static values (:func:`selection_shape`), nev
 more rows and columns than the torch op's (all -1), and its keys are the same sets. Ties in the top-k may break
 differently from ``torch.topk``.
 
+For a whole model, :class:`Attention` (``attn(layer, q, k, v, fwd)`` with one :class:`Forward` per pass, like
+:class:`kascade.Attention`) runs the plan's layer kinds and keeps the anchors' selections between layers; it checks
+the arrays once per pass, at layer 0 (:mod:`kascade.jax.attention`).
+
 Backends: ``"reference"`` (``jax.numpy``, any device, any transformation) and ``"triton"``: JAX arrays on a CUDA
 device go to the project's Triton kernels (:mod:`kascade.ops`, backend ``"triton"``) through DLPack, zero-copy,
 eagerly; it refuses traced calls (use the reference inside jit) and arrays on other devices.
@@ -38,7 +42,8 @@ from ..budget import Budget
 from . import reference
 from .reference import Selection, selection_shape
 
-__all__ = ["Budget", "Selection", "dense_attention", "select", "selection_shape", "sparse_attention"]
+__all__ = ["Attention", "Budget", "Forward", "Selection", "dense_attention", "select", "selection_shape",
+           "sparse_attention"]
 
 BACKENDS = ("reference", "triton")
 
@@ -177,3 +182,6 @@ def _backend(name: str):
 
         return bridge
     return reference
+
+
+from .attention import Attention, Forward  # noqa: E402  (the layer-by-layer API; it uses the helpers above)
