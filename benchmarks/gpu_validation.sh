@@ -39,9 +39,9 @@ all=(kernels-decode kernels-prefill kernels-dispatch kernels-fuzz kernels-hf ker
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=("${all[@]}")
 
-kernel_tests() {  # file -> pytest on the GPU
+kernel_tests() {  # files -> pytest on the GPU
   (cd "$root" && PYTHONPATH="$new${PYTHONPATH:+:$PYTHONPATH}" KASCADE_TEST_DEVICE=cuda KASCADE_TEST_SCALE=$scale \
-    timeout -k 10 "${KERNEL_TIMEOUT:-240}" python3 -m pytest "$1" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
+    timeout -k 10 "${KERNEL_TIMEOUT:-240}" python3 -m pytest "$@" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
   local rc=$?
   if [[ $rc == 124 ]]; then  # cut: how far it got (pytest -q prints one character per finished test)
     echo "timed out after ${KERNEL_TIMEOUT:-240} s: $(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" \
@@ -67,7 +67,7 @@ run_step() {
     kernels-dispatch) kernel_tests tests/ops/test_triton_dispatch.py ;;
     kernels-fuzz) kernel_tests tests/ops/test_triton_fuzz.py ;;
     kernels-hf) kernel_tests tests/integration/test_hf_triton.py ;;
-    kernels-jax) kernel_tests tests/jax/test_jax_bridge.py ;;
+    kernels-jax) kernel_tests tests/jax/test_jax_bridge.py tests/jax/test_jax_attention.py ;;
     eq-old) record old "$old" ;;
     eq-new) record new "$new" ;;
     eq-compare) python3 "$here/runtime_equivalence.py" compare "$state/eq_old.pt" "$state/eq_new.pt" --atol 1e9 \
