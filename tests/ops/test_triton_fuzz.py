@@ -234,7 +234,10 @@ def draw(index: int) -> Case:
             B, H, N, L, q_offset, kv_start = _prefill_geometry(rng, B, H, G, T)
             budget = Budget(ratio=rng.choice((0.2, 0.3, 0.5, 0.7, 0.9)), k_min=rng.randint(1, 8), tile=T,
                             rolling=rng.random() < 0.5)
-        options = tuple(_options(rng, op).items())
+        options = _options(rng, op)
+        if op == "select_prefill":  # both top-k methods, alternating (drawn apart from rng: the other cases stay)
+            options["method"] = ("topk", "radix")[(index // len(OPS)) % 2]
+        options = tuple(options.items())
         case = Case(index, op, B, H, G, D, dtype, N, L, q_offset, kv_start, budget, options)
         if _selects(case):
             return case
@@ -500,9 +503,9 @@ def run_select_prefill(c: Case, x: Inputs) -> None:
     with poisoned_allocations():
         if o["lse"] == "given":
             kw["lse"] = tp.prefill_lse(x.qd, x.kd, **x.pos)
-        sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, depth=o["depth"],
+        sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, depth=o["depth"], method=o["method"],
                                 index_dtype=torch.int32 if o["int32"] else None, **x.pos, **kw)
-    _prefill_selection(c, x, sel, o["depth"], o["int32"], f"select_prefill ({o['lse']} LSE)")
+    _prefill_selection(c, x, sel, o["depth"], o["int32"], f"select_prefill ({o['lse']} LSE, {o['method']})")
 
 
 def run_dense_select_prefill(c: Case, x: Inputs) -> None:

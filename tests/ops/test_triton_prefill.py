@@ -90,7 +90,9 @@ def test_prefill_kernels_match_reference(case):
     pooled = pooled_prefill_rows(q, k, kv_start, q_offset, scale, T)
     few = B * H * 3 * (4 * N + 40 * budget.k(N))  # about 3 tiles per chunk
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
-                     ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32})):
+                     ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
+                     ("radix top-k", {"method": "radix"}),
+                     ("radix top-k, few-tile chunks", {"method": "radix", "max_chunk_bytes": few})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
         if what == "int32":
             assert sel.indices.dtype == torch.int32
@@ -201,3 +203,35 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     full = tp.sparse_prefill(q, k, v, dev_selection(Selection(idx, rs, T, False)), **pos)
     assert not torch.allclose(got, full), "the counts changed nothing"
+
+
+@pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
+def test_row_topk_is_exact_with_ties_and_padding(ranked):
+    """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
+    with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
+    threshold (ties go to the earliest positions), values of very different magnitudes."""
+    from kascade.ops.triton import topk
+
+    g = torch.Generator().manual_seed(5)
+    R, W = 12, sized(300) + 7
+    vals = torch.rand(R, W, generator=g) ** 8  # many exponents
+    vals[1] = 0.25  # one value everywhere: every candidate ties
+    vals[2, ::3] = vals[2, 0]  # a run of equal values spread along the row
+    vals[3] = (torch.rand(W, generator=g) * 4).floor() / 4  # four levels, many ties at each
+    cand = torch.randint(0, W + 1, (R,), generator=g)
+    cand[0], cand[4], cand[5] = W, 0, 1
+    for r in range(R):
+        vals[r, int(cand[r]):] = float("-inf")
+    counts = torch.minimum(cand, torch.randint(0, W, (R,), generator=g))
+    counts[0], counts[1], counts[2] = W, int(cand[1]) // 2, int(cand[2]) // 3
+    counts[6] = 0
+    kc = int(counts.max()) + 3
+    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=64).cpu()
+    assert got.shape == (R, kc) and got.dtype == torch.long
+    for r in range(R):
+        c = int(counts[r])
+        # the expected keys: by value descending, ties by position ascending
+        order = sorted(range(int(cand[r])), key=lambda j: (-float(vals[r, j]), j))[:c]
+        want = order if ranked else sorted(order)
+        assert got[r, :c].tolist() == want, f"row {r}"
+        assert (got[r, c:] == -1).all(), f"row {r}: padding"

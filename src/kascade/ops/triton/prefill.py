@@ -368,7 +368,7 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
 
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, _scores_only=False, **lse_cfg) -> Selection:
+                   num_stages=None, method="topk", _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -378,6 +378,9 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
     probability, not sorted by slot, -1 padded at the end.
+
+    ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
+    tile_topk`): "topk" (``torch.topk``) or "radix" (the Triton radix select).
 
     Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
     buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
@@ -423,6 +426,11 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     # lists cost O(B * rows) and, with ~2,000 chunks of a B=8, 128K prefill, seconds per anchor on the host.
     assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
 
+    def row_bytes(w, kc):  # a buffer row and its top-k temporaries
+        if method == "radix":  # histograms, per-chunk counts, the int64 result (+ values and order when ranked)
+            return 4 * w + 4 * topk.NHIST + 8 * triton.cdiv(w, topk.SELECT_CHUNK) + 32 + (32 if depth else 8) * kc
+        return 4 * w + 40 * kc  # torch.topk: values, indices, a sorted copy
+
     def kmax(r0, r1):
         return max((x[min(r1, c) - 1] if min(r1, c) > r0 else 0) for x, c in zip(budgets, count))
 
@@ -434,7 +442,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         while lo_c <= hi_c:
             mid = (lo_c + hi_c) // 2
             kc = kmax(r0, r0 + mid)
-            need = B * H * mid * (4 * width(r0 + mid) + 40 * kc)
+            need = B * H * mid * row_bytes(width(r0 + mid), kc)
             if need <= chunk_bytes:
                 C, lo_c = mid, mid + 1
             else:
@@ -456,7 +464,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
             if _scores_only:  # benchmark breakdown: the scoring kernels without the top-k
                 r0 = r1
                 continue
-            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None)
+            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method)
             del buf
             indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
             del top

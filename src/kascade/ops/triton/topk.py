@@ -5,7 +5,9 @@
   probabilities: the pooling kernel builds the histogram of the top 12 bits, two passes refine the next 12 and 7
   bits among the elements sharing the prefix, then an ordered compaction writes every element above the exact
   threshold and the first ones equal to it, in key order (exact; ties at the threshold go to the earliest keys).
-* Prefill (:func:`tile_topk`): the rows of a chunk of tiles, ``torch.topk`` over the chunk's score buffer.
+* Prefill (:func:`tile_topk`): the rows of a chunk of tiles, over the chunk's score buffer: ``torch.topk``
+  (``method="topk"``, the default), or the same radix select as decode (``method="radix"``, :func:`row_topk`: a
+  histogram pass over the rows, then the decode passes with one row per "sequence").
 
 Kernels and launchers only: they assert, they do not validate.
 """
@@ -74,6 +76,20 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
         # than the scoring pass in our measurement); the bins of one row are spread over ~2^4 per exponent.
         key = p.to(tl.int32, bitcast=True)
         tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=pm, sem="relaxed")
+
+
+@triton.jit
+def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr):
+    """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
+    rows that come without a pooling pass (prefill's score buffer)."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    n = tl.load(Meta + row * 4 + 1)
+    pos = c * CH + tl.arange(0, CH)
+    pm = pos < n
+    key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
+    ok = pm & (key >= 0)  # -inf (and any negative value) is no candidate
+    tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -204,11 +220,55 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :]
 
 
-def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False) -> torch.Tensor:
+def _radix_rows(vals: torch.Tensor, meta: torch.Tensor, KMAX: int, chunk: int | None = None) -> torch.Tensor:
+    """The radix passes over rows ``vals [R, W]`` whose first histogram is still to be made: ``meta [R, 4]`` int32
+    (0, candidates' span ``n``, keys to keep ``k``, 0) -> ``[R, KMAX]`` int64 positions, ascending, -1 padded."""
+    R, W = vals.shape
+    dev = vals.device
+    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
+    C = triton.cdiv(W, ch)
+    Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
+    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST)
+    State = torch.empty(R, 4, dtype=torch.int32, device=dev)
+    Cnt = torch.empty(R, C, 2, dtype=torch.int32, device=dev)
+    for level in (2, 3, 4):
+        _radix_kernel[(C, R)](vals, meta, Hist, State, Cnt, W, C, H=1, CH=ch, NHIST=NHIST, LEVEL=level)
+    out = torch.empty(R, KMAX, dtype=torch.long, device=dev)
+    _write_kernel[(C, R)](vals, meta, State, Cnt, out, W, C, KMAX, H=1, CH=ch, C_PAD=triton.next_power_of_2(C),
+                          PAGED=False)
+    return out
+
+
+def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
+             chunk: int | None = None) -> torch.Tensor:
+    """Exact top ``counts[r]`` of every row of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) by radix
+    select: ``counts [R]`` int32 on the device, ``kc >= counts.max()`` (a host bound, no read-back). ``-> [R, kc]``
+    int64 positions, -1 padded; ascending (ties at the threshold: the earliest positions), or with ``ranked`` in
+    descending value (ties: the earlier position first). A row must have at least ``counts[r]`` candidates."""
+    R, W = vals.shape
+    assert vals.dtype == torch.float32 and vals.is_contiguous() and counts.shape == (R,)
+    meta = torch.zeros(R, 4, dtype=torch.int32, device=vals.device)
+    meta[:, 1] = W
+    meta[:, 2] = counts
+    out = _radix_rows(vals, meta, kc, chunk)
+    if ranked:  # rank the selected keys only
+        v = torch.where(out >= 0, vals.gather(-1, out.clamp(min=0)), float("-inf"))
+        out = out.gather(-1, v.argsort(dim=-1, descending=True, stable=True))
+    return out
+
+
+def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
+              method: str = "topk") -> torch.Tensor:
     """Top keys of a chunk of prefill rows: ``buf [B, H, C, W]`` fp32 pooled probabilities (-inf where a key is
     not a candidate), ``counts [B, C]`` (on the device) keys per row, ``kc >= counts.max()`` (a host bound).
     ``-> [B, H, C, kc]`` int64 positions into the buffer, -1 padded; ascending, or with ``ranked`` in descending
-    probability."""
+    probability. ``method``: "topk" (``torch.topk``) or "radix" (:func:`row_topk`; exact, ties at the threshold to
+    the earliest keys)."""
+    if method == "radix":
+        B, H, C, W = buf.shape
+        rows = counts.to(torch.int32)[:, None, :].expand(B, H, C).reshape(-1)
+        return row_topk(buf.view(B * H * C, W), rows, kc, ranked=ranked).view(B, H, C, kc)
+    assert method == "topk", method
     top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
     keep = torch.arange(kc, device=buf.device)[None, None, :] < counts[:, :, None]  # [B, C, kc]
     big = torch.iinfo(torch.long).max
