@@ -10,6 +10,7 @@ import transformers
 
 from kascade import bench
 from kascade.bench import memory, models, runner, timing
+from kascade.bench.settings import Settings
 from kascade.cli import build_parser, main
 from kascade.integration.hf import attach, enable
 from kascade.integration.runtime import NoAttention
@@ -192,7 +193,8 @@ def test_skipped_configurations_carry_a_reason(tmp_path, monkeypatch):
     assert "skipped: needs ~" in (tmp_path / "m" / "bench.md").read_text()
 
     real = memory.predict_seconds
-    monkeypatch.setattr(runner, "predict_seconds", lambda done, b, n: None if not done else 1e4 + real(done, b, n))
+    monkeypatch.setattr(runner, "predict_seconds",
+                        lambda done, b, n, s: None if not done else 1e4 + real(done, b, n, s))
     rc = main(["bench", *FAST, "--lengths", "64", "128", "--batches", "1", "--time-budget", "3600",
                "--out", str(tmp_path / "t")])
     assert rc == 0
@@ -307,6 +309,20 @@ def test_predicted_time_is_an_upper_bound_shape():
     assert memory.predict_seconds([], 1, 1000) is None
     assert memory.predict_seconds(done, 1, 2000) == pytest.approx(8.0)
     assert memory.predict_seconds(done, 8, 500) == pytest.approx(8.0)
+
+
+def test_predicted_time_scales_the_timed_work_and_counts_compilation_once():
+    """By hand: 1 repeat, 16 + 2 (warm-up) + 2 decode steps per mode; prefills: dense 2 x 1.0 s, Kascade 2 x 0.8 s,
+    no-attention 1 x 0.5 s = 4.1 s; decode 20 x (10 + 10 + 5) ms = 0.5 s; the other 15.4 s of the 20 s wall time
+    (compilation, capture) once. 4x the length at attention share 0.5: prefills x (0.5 * 4 + 0.5 * 16) = x10, decode
+    x4. Half the length at 8x the batch: prefills x0.5 (linear at worst), decode steps not cheaper, all x8. (The
+    bound from the wall time alone would be 320 s for the first.)"""
+    s = Settings(repeats=1, decode_steps=16, warmup_decode_steps=2)
+    done = [dict(batch=1, length=1000, wall_s=20.0, attn_share_prefill=0.5, dense=dict(ttft_s=1.0, itl_s=0.01),
+                 kascade=dict(ttft_s=0.8, itl_s=0.01), noattn=dict(ttft_s=0.5, itl_s=0.005))]
+    assert memory.predict_seconds(done, 1, 4000, s) == pytest.approx(15.4 + 41.0 + 2.0)
+    assert memory.predict_seconds(done, 8, 500, s) == pytest.approx(15.4 + 8 * (4.1 * 0.5 + 0.5))
+    assert memory.predict_seconds(done, 1, 4000) == pytest.approx(320.0)  # no settings: the wall-time bound
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -117,14 +117,30 @@ def available_bytes(model, settings: Settings) -> float | None:
     return free + torch.cuda.memory_allocated(dev)
 
 
-def predict_seconds(done: list[dict], batch: int, length: int) -> float | None:
-    """An upper bound on a configuration's wall time from the last one measured on the same model: time per token
-    grows at most linearly in the length (attention) and at least not at all, and linearly in the batch."""
+def predict_seconds(done: list[dict], batch: int, length: int, settings: Settings | None = None) -> float | None:
+    """A configuration's wall time, estimated from the last one measured on the same model (meant to err high).
+
+    The timed work of that configuration (every mode's prefills and decode steps, from its own measurements) is
+    scaled: a prefill's attention share (measured: 1 - no-attention / dense) quadratically in the length and the rest
+    linearly, a decode step linearly; all of it linearly in the batch. The rest of its wall time (compilation, graph
+    capture, allocation: the first configuration of a run pays most of it) is counted once, unscaled. Without the
+    measurements (or ``settings``) the bound is the wall time scaled by ``max(r, r**2)`` and the batch."""
     if not done:
         return None
     p = done[-1]
-    r = length / p["length"]
-    return p["wall_s"] * (batch / p["batch"]) * max(r, r * r)
+    r, rb = length / p["length"], batch / p["batch"]
+    modes = ("dense", "kascade", "noattn")
+    if settings is None or not all(isinstance(p.get(m), dict) and "ttft_s" in p[m] and "itl_s" in p[m]
+                                   for m in modes):
+        return p["wall_s"] * rb * max(r, r * r)
+    prefills = {"dense": settings.repeats + 1, "kascade": settings.repeats + 1, "noattn": settings.repeats}
+    steps = settings.decode_steps + settings.warmup_decode_steps + 2
+    a = min(1.0, max(0.0, p.get("attn_share_prefill", 1.0)))
+    grow = max(r, (1 - a) * r + a * r * r)  # a shorter prefill shrinks at most linearly
+    t_prefill = sum(prefills[m] * p[m]["ttft_s"] for m in modes)
+    t_decode = sum(steps * p[m]["itl_s"] for m in modes)
+    fixed = max(0.0, p["wall_s"] - t_prefill - t_decode)
+    return fixed + rb * (t_prefill * grow + t_decode * max(r, 1.0))  # a shorter decode step: not predicted cheaper
 
 
 def skip_reason(need: float, avail: float | None, predicted: float | None, left: float | None,

@@ -88,7 +88,7 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
                 est = estimate_bytes(model.config, mplan, weights=weights, batch=batch, length=length,
                                      settings=settings, backend=backend)
                 rec["estimate_gb"] = {k: v / GB for k, v in est.items()}
-                rec["predicted_s"] = predict_seconds(done, batch, length)
+                rec["predicted_s"] = predict_seconds(done, batch, length, settings)
                 reason = skip_reason(est["total"], available_bytes(model, settings), rec["predicted_s"],
                                      clock.left(settings), settings)
                 if reason:

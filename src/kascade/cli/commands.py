@@ -324,8 +324,10 @@ bench.png (TTFT and ITL against context length) into --out after every configura
                    help="GB a configuration may use, weights included (default: the GPU's free memory plus what this "
                    "process holds; no check on CPU)")
     b.add_argument("--time-budget", type=number(0.0, low_open=False), default=dflt.time_budget_s,
-                   help="seconds for the whole run, model loading included: a configuration predicted (from the "
-                   "previous one, scaled up by batch and length squared) to overrun it is skipped; 0: no limit "
+                   help="seconds for the whole run, model loading included: a configuration predicted to overrun it "
+                   "is skipped (from the previous one's measurements: the attention share of its prefills scaled "
+                   "by length squared, the rest linearly, all by batch; its compile and capture time once); 0: no "
+                   "limit "
                    f"(default: {dflt.time_budget_s:.0f})")
     b.add_argument("--out", default="kascade-bench", metavar="DIR",
                    help="output folder, created if missing; checked before any model is loaded (default: "
