@@ -2,8 +2,6 @@
 same inputs: the reference backend eagerly and under jit, the Triton backend through DLPack (Triton's interpreter
 on the CPU, compiled with KASCADE_TEST_DEVICE=cuda)."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -14,9 +12,9 @@ import torch  # noqa: E402
 
 import kascade  # noqa: E402
 import kascade.jax as kj  # noqa: E402
+from jax_device import ON_GPU, kernel_device  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint  # noqa: E402
 
-ON_GPU = os.environ.get("KASCADE_TEST_DEVICE", "cpu").strip().lower().startswith("cuda")
 
 
 def _plan(HQ, H, D, layers=5, **budget):
@@ -79,24 +77,13 @@ def test_reference_matches_the_torch_runtime_eagerly_and_under_jit(geo):
         np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-6, err_msg=f"layer {i} under jit")
 
 
-def _device():
-    if not ON_GPU:
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or KASCADE_TEST_DEVICE=cuda")
-        return jax.devices("cpu")[0]
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("KASCADE_TEST_DEVICE=cuda but JAX sees no GPU")
-
-
 @pytest.mark.parametrize("ranked", [False, True], ids=["paper-rule", "per-layer-budgets"])
 @pytest.mark.parametrize("geo", GEOMETRIES, ids=["prefill", "chunk", "decode"])
 def test_triton_is_the_torch_runtime_through_dlpack(geo, ranked):
     """Same kernels, same plan, same step plan: the outputs equal the torch runtime's bit for bit; every reuse rule
     the torch runtime serves is served (here per-layer budgets)."""
     pytest.importorskip("triton")
-    device = _device()
+    device = kernel_device()
     B, HQ, H, D, N, L, q_offset, starts = geo
     plan = _plan(HQ, H, D, ratio=0.3, k_min=4, tile=16)
     if ranked:

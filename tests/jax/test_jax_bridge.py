@@ -4,8 +4,6 @@ The DLPack path runs wherever the project's Triton tests run: on the CPU in Trit
 set by tests/conftest.py), or compiled on a GPU with KASCADE_TEST_DEVICE=cuda (the JAX arrays then live on JAX's
 GPU)."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -15,10 +13,10 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 import kascade.jax as kj  # noqa: E402
+from jax_device import ON_GPU, kernel_device  # noqa: E402
 from kascade.budget import Budget  # noqa: E402
 from kascade.jax import bridge  # noqa: E402
 
-ON_GPU = os.environ.get("KASCADE_TEST_DEVICE", "cpu").strip().lower().startswith("cuda")
 BUDGET = Budget(ratio=0.5, k_min=4, tile=8)
 
 
@@ -52,17 +50,6 @@ def test_triton_refuses_arrays_off_cuda(op, monkeypatch):
         op(q, k, v)
 
 
-def _device():
-    if not ON_GPU:
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or KASCADE_TEST_DEVICE=cuda")
-        return jax.devices("cpu")[0]
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("KASCADE_TEST_DEVICE=cuda but JAX sees no GPU")
-
-
 def _sets(sel, shape):
     idx = np.full(shape, -1, np.int64)
     got = np.asarray(sel.indices)
@@ -78,7 +65,7 @@ GEOMETRIES = [(2, 4, 2, 40, 40, None, [0, 7]), (2, 8, 2, 70, 30, 33, [0, 40]), (
 @pytest.mark.parametrize("geo", GEOMETRIES, ids=["prefill", "chunk", "decode"])
 def test_triton_through_dlpack_matches_the_reference(geo, dtype):
     pytest.importorskip("triton")
-    device = _device()
+    device = kernel_device()
     B, HQ, H, N, L, q_offset, starts = geo
     q, k, v = _qkv(B, HQ, H, L, N, 16, getattr(jnp, dtype), seed=N + L, device=device)
     kw = dict(kv_start=np.array(starts), q_offset=q_offset)
@@ -101,7 +88,7 @@ def test_triton_through_dlpack_matches_the_reference(geo, dtype):
 
 
 def test_dlpack_hands_buffers_over_without_copies():
-    device = _device()
+    device = kernel_device()
     (q,) = _qkv(device=device)[:1]
     t = bridge._torch(q)
     assert t.data_ptr() == q.unsafe_buffer_pointer() and tuple(t.shape) == q.shape
@@ -115,7 +102,7 @@ def test_triton_geometry_stays_on_the_host():
     dispatch, no read-back from the device per call; docs/benchmarks/jax.md), with the same values and checks."""
     from kascade.jax import _geometry
 
-    q, k, v = _qkv(device=_device())
+    q, k, v = _qkv(device=kernel_device())
     starts, off = _geometry(q, k, v, None, None, "triton")
     assert isinstance(starts, np.ndarray) and starts.dtype == np.int32 and starts.tolist() == [0] * q.shape[0]
     given, _ = _geometry(q, k, v, jnp.array([0, 3]), None, "triton")
