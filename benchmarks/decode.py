@@ -4,8 +4,10 @@
 
 1. Checks every kernel against the reference ops on small random cases (contiguous and paged, varied lengths).
 2. Measures the device-to-device copy bandwidth (the ceiling for memory-bound kernels).
-3. Sweeps a few launch configurations of the split-K and selection kernels on representative shapes and keeps the
-   fastest (printed; the defaults in kascade/ops/triton/decode.py come from such a sweep).
+3. Sweeps a few launch configurations of the split-K kernel (dense, sparse, and the anchor's scoring pass) and the
+   selection's chunk on representative shapes and keeps the fastest over all of them (printed; the defaults in
+   kascade/ops/triton/decode.py come from such a sweep); also records, per shape, the best configuration of that
+   shape alone beside the overall one (sweep["per_shape_best"]: what per-shape launch settings would gain).
 4. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, 10 % budget
    (Budget(ratio=0.1, k_min=128)), B in {1, 8, 32}, N in {8K, 32K, 128K, 512K} (where memory allows): per-layer
    times of dense (the faster of SDPA(enable_gqa=True) and our split-K kernel), layer 0 (dense output + selection),
@@ -243,7 +245,8 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
 def tune(dev):
     """Sweep launch parameters on representative Llama shapes; return the best and the full sweep."""
     shapes = [(1, 32, 8, 131072, 128), (8, 32, 8, 32768, 128), (32, 32, 8, 32768, 128)]
-    sweep = {"sparse": [], "split": [], "chunk": []}
+    sweep = {"sparse": [], "split": [], "score": [], "chunk": [], "shapes": [list(x) for x in shapes],
+             "per_shape_best": {}}
     data = []
     for B, HQ, H, N, D in shapes:
         q, k, v = make(B, HQ, H, N, D, dev, seed=1)
@@ -252,13 +255,21 @@ def tune(dev):
         data.append((q, k, v, meta, sel.indices))
     out = None
 
+    def per_shape(fn):
+        return [bench(lambda d=d: fn(*d)) for d in data]
+
     def total(fn):
-        return sum(bench(lambda: fn(*d)) for d in data)
+        return sum(per_shape(fn))
+
+    def score(q, k, v, meta, idx, **c):  # the anchor's scoring pass alone (it runs on the split kernel's config)
+        return td._run_split(q, k, None, None, meta, None, None, scale=0.1, n_keys=meta.n_max, sparse=False,
+                             has_v=False, write_scores=True, sc_row=meta.n_max, **c)
 
     best = {}
     for name, run in (
         ("sparse", lambda c, ppsm: (lambda q, k, v, meta, idx: td.sparse_decode(q, k, v, idx, scale=0.1, **c))),
         ("split", lambda c, ppsm: (lambda q, k, v, meta, idx: td.dense_decode(q, k, v, scale=0.1, meta=meta, **c))),
+        ("score", lambda c, ppsm: (lambda q, k, v, meta, idx: score(q, k, v, meta, idx, **c))),
     ):
         res = []
         for bn in (32, 64, 128):
@@ -267,15 +278,20 @@ def tune(dev):
                     for ppsm in (2, 4, 8):
                         c = {"block_n": bn, "num_warps": nw, "num_stages": ns, "programs_per_sm": ppsm}
                         try:
-                            us = total(run(c, ppsm))
+                            each = per_shape(run(c, ppsm))
                         except Exception as e:  # a config that does not compile (shared memory) is skipped
                             log(f"tune {name} {c} ppsm={ppsm}: {type(e).__name__}")
                             continue
-                        res.append((us, c, ppsm))
-                        sweep[name].append({"cfg": c, "programs_per_sm": ppsm, "sum_us": us})
+                        us = sum(each)
+                        res.append((us, c, ppsm, each))
+                        sweep[name].append({"cfg": c, "programs_per_sm": ppsm, "sum_us": us, "us_per_shape": each})
         res.sort(key=lambda x: x[0])
-        best[name] = res[0]
-        log(f"tune {name}: best {res[0]}, worst {res[-1]}")
+        best[name] = res[0][:3]
+        # per shape: the best config of that shape alone against the one config that is best over all shapes
+        sweep["per_shape_best"][name] = [
+            {"shape": list(shapes[i]), "best_cfg": min(res, key=lambda x: x[3][i])[1],
+             "best_us": min(x[3][i] for x in res), "overall_cfg_us": res[0][3][i]} for i in range(len(shapes))]
+        log(f"tune {name}: best {res[0][:3]}, worst {res[-1][:3]}; per shape: {sweep['per_shape_best'][name]}")
     for chs in (1024, 2048, 4096, 8192):
         us = total(lambda q, k, v, meta, idx: td.select_decode(q, k, budget=BUDGET, scale=0.1, meta=meta, chunk=chs,
                                                                 **best["split"][1]))
