@@ -552,7 +552,7 @@ def measure_mode(model, ids: torch.Tensor, args, *, use_graph: bool, ranks: Rank
             # would wait forever for a rank whose capture failed
             failed = None
             try:
-                dec._capture()
+                dec.capture()
             except Exception as e:  # noqa: BLE001 -- recorded; every rank then decodes eager
                 if isinstance(e, torch.OutOfMemoryError):
                     raise

@@ -184,6 +184,19 @@ def test_nothing_is_held_after_the_block():
     assert not any(isinstance(v, torch.Tensor) for v in vars(h.runtime).values())
 
 
+def test_graph_decoder_capture_is_refused_where_there_is_nothing_to_capture():
+    """``GraphDecoder.capture`` (public: tensor-parallel ranks capture before any replays) refuses an eager decoder and
+    one that has not prefilled, with a message instead of a CUDA error."""
+    from kascade.integration.graphs import GraphDecoder
+
+    dec = GraphDecoder(tiny_model("llama"), batch_size=1, max_cache_len=16, use_graph=False)
+    with pytest.raises(RuntimeError, match="runs eagerly"):
+        dec.capture()
+    dec.use_graph = True  # as on a GPU, before any prefill
+    with pytest.raises(RuntimeError, match="call prefill"):
+        dec.capture()
+
+
 def test_graph_decoder_recaptures_when_the_routing_changes():
     """A decoder's captured graph runs the kernels of the routing it was captured under: after Kascade is
     disabled (or enabled again) it must not replay it. (CUDA graphs need a GPU; here a stand-in graph records

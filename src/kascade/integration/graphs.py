@@ -96,7 +96,7 @@ class GraphDecoder:
         if self.graph is not None:
             self.graph.replay()
         elif self.use_graph and self._eager_steps >= self.warmup:
-            self._capture()
+            self.capture()
             self.graph.replay()
         else:
             self._forward()
@@ -104,7 +104,14 @@ class GraphDecoder:
         self.length += 1
         return self.ids
 
-    def _capture(self) -> None:
+    def capture(self) -> None:
+        """Capture the decode step's CUDA graph now, without replaying it (``step`` captures by itself after the
+        warm-up steps; calling this first lets, e.g., tensor-parallel ranks all capture before any replays, since a
+        replay's collectives would wait for a rank whose capture failed)."""
+        if not self.use_graph:
+            raise RuntimeError("this decoder runs eagerly (use_graph=False): nothing to capture")
+        if self.length == 0:
+            raise RuntimeError("call prefill (and a warm-up step) before capture")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         torch.cuda.current_stream().wait_stream(stream)
