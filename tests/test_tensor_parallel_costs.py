@@ -39,17 +39,17 @@ def test_decode_bytes_at_llama_shapes_by_hand():
         assert exchange_bytes(ranks, batch=32, kv_heads=8, rows=1, width=K128K, index_bytes=4, anchors=5) == want
 
 
-def test_decode_sends_int64_and_prefill_on_triton_int32():
-    """What the exchange sends is the selection as the ops made it: int64 in decode (both backends) and in the
-    reference's prefill, int32 in the Triton prefill."""
+def test_triton_sends_int32_and_the_reference_int64():
+    """What the exchange sends is the selection as the ops made it: int32 on the Triton backend (prefill and decode:
+    Step.index_dtype), int64 on the reference."""
     assert bytes_per_index("reference", decode=True) == 8 and bytes_per_index("reference", decode=False) == 8
-    assert bytes_per_index("triton", decode=True) == 8 and bytes_per_index("triton", decode=False) == 4
+    assert bytes_per_index("triton", decode=True) == 4 and bytes_per_index("triton", decode=False) == 4
     with pytest.raises(ValueError, match="backend"):
         bytes_per_index("cuda", decode=True)
     plan = _llama8b_plan()
     assert plan.anchors == (0, 6, 12, 19, 25)
-    # decode at 128K: 5 anchors x 8 heads x 13107 x 8 bytes = 4,194,240 per step in all; TP 2 receives half
-    for ranks, want in ((2, 2_097_120), (4, 3_145_680), (8, 3_669_960)):
+    # decode at 128K: 5 anchors x 8 heads x 13107 x 4 bytes = 2,097,120 per step in all; TP 2 receives half
+    for ranks, want in ((2, 1_048_560), (4, 1_572_840), (8, 1_834_980)):
         assert step_exchange_bytes(plan, ranks, batch=1, keys=N128K, backend="triton") == want
         assert step_exchange_bytes(plan, ranks, batch=32, keys=N128K, backend="triton") == 32 * want
     # prefill at 128K on Triton: 4096 tiles x 13075 keys (k(N) - T = 13107 - 32; the last tile's rolling cap
@@ -62,7 +62,7 @@ def test_decode_sends_int64_and_prefill_on_triton_int32():
     # at 32K: k = 3276, the last tile keeps 3244, 1024 tiles
     assert step_exchange_bytes(plan, 2, batch=1, keys=32768, queries=32768, backend="triton") == \
         1024 * 3244 * 8 * 4 * 5 // 2
-    assert step_exchange_bytes(plan, 4, batch=1, keys=32768, backend="triton") == 3276 * 8 * 8 * 5 * 3 // 4
+    assert step_exchange_bytes(plan, 4, batch=1, keys=32768, backend="triton") == 3276 * 8 * 4 * 5 * 3 // 4
 
 
 def test_selection_shape_counts_tiles_and_pads_rows_by_hand():

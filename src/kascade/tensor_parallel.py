@@ -89,12 +89,12 @@ def gather_heads(sel: Selection, shard: HeadShard) -> Selection:
 
 # -- what the exchange costs ----------------------------------------------------------------------------------------
 def bytes_per_index(backend: str, decode: bool) -> int:
-    """Bytes of one index in the selections an anchor makes (what :func:`gather_heads` sends): int32 (4) in a prefill
-    step on the Triton backend (:attr:`kascade.ops.Step.index_dtype`), int64 (8) elsewhere: the reference's
-    selections and the Triton decode selections (:func:`kascade.ops.triton.topk.select_rows`) are int64."""
+    """Bytes of one index in the selections an anchor makes (what :func:`gather_heads` sends): int32 (4) on the
+    Triton backend, prefill and decode alike (:attr:`kascade.ops.Step.index_dtype`), int64 (8) on the reference."""
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return 4 if backend == "triton" and not decode else 8
+    del decode  # the same in both (kept: the question is asked per step kind)
+    return 4 if backend == "triton" else 8
 
 
 def selection_shape(budget: Budget, keys: int, queries: int = 1, depth: float | None = None) -> tuple[int, int]:

@@ -70,6 +70,9 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
     steps = [fs.step for fs in forward_states[1:]]
     assert [s.decode for s in steps] == [False, True, True] and all(s.meta is not None for s in steps[1:])
     assert all(s.backend == "triton" and s.index_dtype == torch.int32 for s in steps)
+    # and the anchors' selections of those passes are made in it (decode included: the radix select writes int32)
+    kept = [sel for fs in forward_states[1:] for sel in fs.selections.values()]
+    assert len(kept) >= 3 and all(sel.indices.dtype == torch.int32 for sel in kept)
     assert calls.count("dense_select_decode") == 2 and calls.count("select_decode") == 4
     assert calls.count("sparse_decode") == 6
 

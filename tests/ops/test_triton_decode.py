@@ -215,6 +215,28 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
             assert p[-1] >= pooled[b][h].topk(kr).values[-1] * (1 - 1e-5), "not the top keys"
 
 
+@pytest.mark.parametrize("depth", [None, 1.7], ids=["sets", "ranked"])
+def test_int32_selections_hold_the_same_keys(depth):
+    """index_dtype=torch.int32 (what the runtime's Triton steps ask for): the same keys as int64, from both top-k
+    methods, contiguous with left padding and paged; the sparse kernel reads either to the same output."""
+    B, H, G, N, D = 2, 2, 3, 500, 64
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B, H * G if i == 0 else H, 1 if i == 0 else N, D, generator=g) for i in range(3))
+    kv_start = torch.tensor([0, 170])
+    budget = Budget(ratio=0.1, k_min=16)
+    kp, bt, lens = paged_cache(k, kv_start, N, 32, g)
+    for kw, kk in ((dict(kv_start=kv_start, q_offset=N - 1), k), (dict(block_table=dev(bt), seq_lens=lens), kp)):
+        for method in ("radix", "topk"):
+            sel = {dt: td.select_decode(dev(q), dev(kk), budget=budget, scale=D**-0.5, method=method, depth=depth,
+                                        index_dtype=dt, **kw).indices for dt in (torch.long, torch.int32)}
+            assert sel[torch.int32].dtype == torch.int32 and sel[torch.long].dtype == torch.long
+            assert torch.equal(sel[torch.int32].cpu().long(), sel[torch.long].cpu()), method
+            assert bool((sel[torch.int32] >= 0).any()) and bool((sel[torch.int32] == -1).any())
+        if "kv_start" in kw:
+            outs = [td.sparse_decode(dev(q), dev(k), dev(v), sel[dt], scale=D**-0.5).cpu() for dt in sel]
+            assert torch.equal(outs[0], outs[1])
+
+
 def test_sparse_decode_with_counts_attends_each_sequences_prefix():
     """counts=: sequence b attends only the first counts[b] entries of its rows, in whatever order they are (a
     ranked selection's prefix): the same output as the rows cut to that prefix and -1 padded; the step's counts

@@ -210,7 +210,8 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
         if shared:
             raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
         if step.decode:
-            return _kernels(step).select_decode(q, k, budget=step.budget, scale=scale, meta=step.meta, depth=depth)
+            return _kernels(step).select_decode(q, k, budget=step.budget, scale=scale, meta=step.meta, depth=depth,
+                                                index_dtype=step.index_dtype)
         return _kernels(step).select_prefill(q, k, scale=scale, step=step, depth=depth)
     return reference.select(q, k, budget=step.budget, scale=scale, kv_start=step.kv_start, q_offset=step.q_offset,
                             shared=shared, depth=depth)
@@ -225,7 +226,7 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
     if step.backend == "triton":
         if step.decode:
             return _kernels(step).dense_select_decode(q, k, v, budget=step.budget, scale=scale, meta=step.meta,
-                                                      depth=depth)
+                                                      depth=depth, index_dtype=step.index_dtype)
         return _kernels(step).dense_select_prefill(q, k, v, scale=scale, step=step, depth=depth)
     return (dense_attention(q, k, v, scale=scale, step=step),
             select(q, k, scale=scale, step=step, depth=depth))

@@ -294,20 +294,22 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     return out
 
 
-def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth) -> Selection:
+def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype) -> Selection:
     if depth is not None:  # ranked: each sequence keeps Budget.decode_counts(n_b, depth) keys (device ops)
         meta = meta.with_counts(budget, depth)
     indices = topk.select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, method=method, chunk=chunk,
-                               ranked=depth is not None)
+                               ranked=depth is not None, index_dtype=index_dtype)
     return Selection(indices=indices, row_start=torch.zeros(B, dtype=torch.long, device=Sc.device),
                      tile=budget.tile, decode=True, ranked=depth is not None)
 
 
 def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", chunk=None, depth=None, **cfg) -> Selection:
+                  meta=None, method="radix", chunk=None, depth=None, index_dtype=torch.long, **cfg) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
-    the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores).
+    the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of the
+    selection's indices, int64 (default) or int32 (the Triton steps' :attr:`kascade.ops.Step.index_dtype`: half the
+    memory, and the sparse kernel reading them 2-3% faster, docs/benchmarks/decode.json ``reuse_int32``).
 
     ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, depth)`` keys in descending pooled probability,
@@ -318,18 +320,19 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     assert meta.k is not None, "meta built without a budget"
     _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
                                         sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
-    return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth)
+    return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype)
 
 
 def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
-                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, depth=None, **cfg):
+                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, depth=None,
+                        index_dtype=torch.long, **cfg):
     """Layer 0: the dense output and the selection (ranked with ``depth``, see :func:`select_decode`) from one pass
     over K and V. ``-> (out, Selection)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     out, Mx, Ls, Sc, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale, n_keys=meta.n_max,
                                           sparse=False, has_v=True, write_scores=True, sc_row=meta.n_max, **cfg)
-    return out, _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth)
+    return out, _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,

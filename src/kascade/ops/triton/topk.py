@@ -163,19 +163,20 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
     sel = gt | (eq & (eq_rank < need))
     seli = sel.to(tl.int32)
     dst = gt_before + tl.minimum(eq_before, need) + tl.cumsum(seli, 0) - seli
-    tl.store(Out + row.to(tl.int64) * KMAX + dst, (base + pos).to(tl.int64), mask=sel)
+    tl.store(Out + row.to(tl.int64) * KMAX + dst, (base + pos).to(Out.dtype.element_ty), mask=sel)
     if c == 0:
         for p0 in range(kb, KMAX, CH):
             pp = p0 + tl.arange(0, CH)
-            tl.store(Out + row.to(tl.int64) * KMAX + pp, tl.full([CH], -1, tl.int64), mask=pp < KMAX)
+            tl.store(Out + row.to(tl.int64) * KMAX + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False) -> torch.Tensor:
-    """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` int64 key slots (logical
-    positions when paged), -1 padded; ``meta`` (:class:`kascade.ops.step.DecodeMeta`) gives each row's count
+def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
+                index_dtype=torch.long) -> torch.Tensor:
+    """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
+    ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta`` (:class:`kascade.ops.step.DecodeMeta`) gives each row's count
     ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and
     sums, ``Hist [B*H, NHIST]`` zeroed. ``method``: "radix" (exact, ties to the earliest keys) or "topk"
     (``torch.topk`` on the pooled row). Ascending slots, or with ``ranked`` in descending pooled probability (the
@@ -197,13 +198,13 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
         for level in (2, 3, 4):
             _radix_kernel[(C, rows)](Pooled, meta.tensor, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST,
                                      LEVEL=level)
-        indices = torch.empty(B, H, 1, KMAX, dtype=torch.long, device=dev)
+        indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         _write_kernel[(C, rows)](Pooled, meta.tensor, State, Cnt, indices, sc_row, C, KMAX, H=H, CH=ch,
                                  C_PAD=triton.next_power_of_2(C), PAGED=meta.paged)
         if ranked:  # rank the selected keys only: a sort of K values, not a top-k over all n
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
-            vals = Pooled.view(B, H, sc_row).gather(-1, (sel - base).clamp(min=0))
+            vals = Pooled.view(B, H, sc_row).gather(-1, (sel.long() - base).clamp(min=0))
             vals = torch.where(sel >= 0, vals, float("-inf"))
             order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep the earlier key first
             indices = sel.gather(-1, order)[:, :, None, :]
@@ -217,7 +218,7 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     if not ranked:
         top = top.sort(-1).values
     base = meta.tensor[:, 0].long()[:, None, None]
-    return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :]
+    return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :].to(index_dtype)
 
 
 def _radix_rows(vals: torch.Tensor, meta: torch.Tensor, KMAX: int, chunk: int | None = None) -> torch.Tensor:
