@@ -176,9 +176,9 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
                 index_dtype=torch.long) -> torch.Tensor:
     """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
-    ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta`` (:class:`kascade.ops.step.DecodeMeta`) gives each row's count
-    ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and
-    sums, ``Hist [B*H, NHIST]`` zeroed. ``method``: "radix" (exact, ties to the earliest keys) or "topk"
+    ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta``
+    (:class:`kascade.ops.step.DecodeMeta`) gives each row's count ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores
+    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed. ``method``: "radix" (exact, ties to the earliest keys) or "topk"
     (``torch.topk`` on the pooled row). Ascending slots, or with ``ranked`` in descending pooled probability (the
     radix select picks the keys, then only they are sorted)."""
     dev = Sc.device
@@ -221,11 +221,21 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :].to(index_dtype)
 
 
-def _radix_rows(vals: torch.Tensor, meta: torch.Tensor, KMAX: int, chunk: int | None = None) -> torch.Tensor:
-    """The radix passes over rows ``vals [R, W]`` whose first histogram is still to be made: ``meta [R, 4]`` int32
-    (0, candidates' span ``n``, keys to keep ``k``, 0) -> ``[R, KMAX]`` int64 positions, ascending, -1 padded."""
+def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
+             chunk: int | None = None) -> torch.Tensor:
+    """Exact top ``counts[r]`` of every row of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) by radix
+    select: ``counts [R]`` int32 on the device, ``kc >= counts.max()`` (a host bound, no read-back). ``-> [R, kc]``
+    int64 positions, -1 padded; ascending (ties at the threshold: the earliest positions), or with ``ranked`` in
+    descending value (ties: the earlier position first). A row must have at least ``counts[r]`` candidates.
+
+    The decode passes with one row per "sequence" (``H = 1``, a per-row ``meta``: 0, the span ``W``, the count, 0),
+    after a histogram pass of their own (decode's comes from its pooling kernel)."""
     R, W = vals.shape
+    assert vals.dtype == torch.float32 and vals.is_contiguous() and counts.shape == (R,)
     dev = vals.device
+    meta = torch.zeros(R, 4, dtype=torch.int32, device=dev)
+    meta[:, 1] = W
+    meta[:, 2] = counts
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
@@ -234,24 +244,9 @@ def _radix_rows(vals: torch.Tensor, meta: torch.Tensor, KMAX: int, chunk: int | 
     Cnt = torch.empty(R, C, 2, dtype=torch.int32, device=dev)
     for level in (2, 3, 4):
         _radix_kernel[(C, R)](vals, meta, Hist, State, Cnt, W, C, H=1, CH=ch, NHIST=NHIST, LEVEL=level)
-    out = torch.empty(R, KMAX, dtype=torch.long, device=dev)
-    _write_kernel[(C, R)](vals, meta, State, Cnt, out, W, C, KMAX, H=1, CH=ch, C_PAD=triton.next_power_of_2(C),
+    out = torch.empty(R, kc, dtype=torch.long, device=dev)
+    _write_kernel[(C, R)](vals, meta, State, Cnt, out, W, C, kc, H=1, CH=ch, C_PAD=triton.next_power_of_2(C),
                           PAGED=False)
-    return out
-
-
-def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
-             chunk: int | None = None) -> torch.Tensor:
-    """Exact top ``counts[r]`` of every row of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) by radix
-    select: ``counts [R]`` int32 on the device, ``kc >= counts.max()`` (a host bound, no read-back). ``-> [R, kc]``
-    int64 positions, -1 padded; ascending (ties at the threshold: the earliest positions), or with ``ranked`` in
-    descending value (ties: the earlier position first). A row must have at least ``counts[r]`` candidates."""
-    R, W = vals.shape
-    assert vals.dtype == torch.float32 and vals.is_contiguous() and counts.shape == (R,)
-    meta = torch.zeros(R, 4, dtype=torch.int32, device=vals.device)
-    meta[:, 1] = W
-    meta[:, 2] = counts
-    out = _radix_rows(vals, meta, kc, chunk)
     if ranked:  # rank the selected keys only
         v = torch.where(out >= 0, vals.gather(-1, out.clamp(min=0)), float("-inf"))
         out = out.gather(-1, v.argsort(dim=-1, descending=True, stable=True))
