@@ -178,9 +178,10 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
     ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta``
     (:class:`kascade.ops.step.DecodeMeta`) gives each row's count ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores
-    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed. ``method``: "radix" (exact, ties to the earliest keys) or "topk"
-    (``torch.topk`` on the pooled row). Ascending slots, or with ``ranked`` in descending pooled probability (the
-    radix select picks the keys, then only they are sorted)."""
+    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed.
+    ``method``: "radix" (exact, ties to the earliest keys) or "topk" (``torch.topk`` on the pooled row). Ascending
+    slots, or with ``ranked`` in descending pooled probability (the radix select picks the keys, then only they are
+    sorted)."""
     dev = Sc.device
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
