@@ -49,9 +49,10 @@ kernel_tests() {  # files -> pytest on the GPU
     timeout -k 10 "${KERNEL_TIMEOUT:-240}" python3 -m pytest "$@" -n "${PYTEST_WORKERS:-8}" -q -rfE -p no:cacheprovider)
   local rc=$?
   if [[ $rc == 124 ]]; then  # cut: how far it got (pytest -q prints one character per finished test)
-    echo "timed out after ${KERNEL_TIMEOUT:-240} s: $(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" \
-      | tr -cd '.' | wc -c) passed, $(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" | tr -cd 'FE' \
-      | wc -c) failed so far"
+    local progress
+    progress=$(grep -E '^[.FEsxX]+( *\[ *[0-9]+%\])?$' "$state/$step.log" | tr -cd '.FE')
+    echo "timed out after ${KERNEL_TIMEOUT:-240} s: $(tr -cd '.' <<< "$progress" | wc -c) passed," \
+      "$(tr -cd 'FE' <<< "$progress" | wc -c) failed so far"
   fi
   return $rc
 }

@@ -42,10 +42,9 @@ def test_decode_bytes_at_llama_shapes_by_hand():
 def test_triton_sends_int32_and_the_reference_int64():
     """What the exchange sends is the selection as the ops made it: int32 on the Triton backend (prefill and decode:
     Step.index_dtype), int64 on the reference."""
-    assert bytes_per_index("reference", decode=True) == 8 and bytes_per_index("reference", decode=False) == 8
-    assert bytes_per_index("triton", decode=True) == 4 and bytes_per_index("triton", decode=False) == 4
+    assert bytes_per_index("reference") == 8 and bytes_per_index("triton") == 4
     with pytest.raises(ValueError, match="backend"):
-        bytes_per_index("cuda", decode=True)
+        bytes_per_index("cuda")
     plan = _llama8b_plan()
     assert plan.anchors == (0, 6, 12, 19, 25)
     # decode at 128K: 5 anchors x 8 heads x 13107 x 4 bytes = 2,097,120 per step in all; TP 2 receives half

@@ -88,12 +88,11 @@ def gather_heads(sel: Selection, shard: HeadShard) -> Selection:
 
 
 # -- what the exchange costs ----------------------------------------------------------------------------------------
-def bytes_per_index(backend: str, decode: bool) -> int:
+def bytes_per_index(backend: str) -> int:
     """Bytes of one index in the selections an anchor makes (what :func:`gather_heads` sends): int32 (4) on the
     Triton backend, prefill and decode alike (:attr:`kascade.ops.Step.index_dtype`), int64 (8) on the reference."""
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    del decode  # the same in both (kept: the question is asked per step kind)
     return 4 if backend == "triton" else 8
 
 
@@ -144,7 +143,7 @@ def step_exchange_bytes(plan: KascadePlan, ranks: int, *, batch: int, keys: int,
     serves ``keys``): ``batch`` sequences of ``keys`` valid keys each, the last ``queries`` of them this step's
     (1: decode), on ``backend``."""
     p = plan.for_length(keys)
-    size = bytes_per_index(backend, queries == 1)
+    size = bytes_per_index(backend)
     total = 0
     for a in p.anchors:
         rows, width = selection_shape(p.budget, keys, queries, p.depth(a) if p.ranked else None)

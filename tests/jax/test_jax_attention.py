@@ -127,3 +127,15 @@ def test_refusals():
     attn(0, q, k, v, fwd)
     with pytest.raises(ValueError, match="layer 1: .* differ from layer 0's"):
         attn(1, q, k[:, :, :8], v[:, :, :8], fwd)
+
+
+def test_triton_refuses_a_traced_layer_after_layer_0():
+    """Layer 0 checks the arrays; a later layer called under a JAX trace is refused by name, not by DLPack."""
+    pytest.importorskip("triton")
+    device = kernel_device()
+    plan = _plan(4, 2, 16, ratio=0.5, k_min=4, tile=16)
+    q, k, v = (jax.device_put(jnp.asarray(x), device) for x in _layers((1, 4, 2, 16, 40, 1, 39, [0]), 3)[0])
+    attn, fwd = kj.Attention(plan, backend="triton"), kj.Forward(q_offset=39)
+    attn(0, q, k, v, fwd)
+    with pytest.raises(ValueError, match="cannot run under jax.jit"):
+        jax.jit(lambda q: attn(1, q, k, v, fwd))(q)

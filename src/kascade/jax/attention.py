@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from ..plan import KascadePlan
@@ -137,9 +138,10 @@ class Attention:
     def _triton(self, layer, q, k, v, tfwd, scale):
         from . import bridge
 
-        why = bridge.unavailable_reason(q, k, v)
-        if why:
-            raise ValueError(why)
+        # Layer 0 checked the arrays (bridge.unavailable_reason); later layers only refuse a trace, which DLPack
+        # could not export (a wrong device or shape is refused by the torch runtime against the pass's step).
+        if any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
+            raise ValueError(bridge._TRACED)
         out = self._torch(layer, bridge._torch(q), bridge._torch(k), bridge._torch(v), tfwd, scale)
         return bridge._jax(out)
 

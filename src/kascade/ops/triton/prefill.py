@@ -384,6 +384,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
     Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
     buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
+    assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
     index_dtype = index_dtype or (step.index_dtype if step is not None else torch.long)

@@ -202,13 +202,11 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         _write_kernel[(C, rows)](Pooled, meta.tensor, State, Cnt, indices, sc_row, C, KMAX, H=H, CH=ch,
                                  C_PAD=triton.next_power_of_2(C), PAGED=meta.paged)
-        if ranked:  # rank the selected keys only: a sort of K values, not a top-k over all n
+        if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
-            vals = Pooled.view(B, H, sc_row).gather(-1, (sel.long() - base).clamp(min=0))
-            vals = torch.where(sel >= 0, vals, float("-inf"))
-            order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep the earlier key first
-            indices = sel.gather(-1, order)[:, :, None, :]
+            indices = _by_value(sel, Pooled.view(B, H, sc_row).gather(-1, (sel.long() - base).clamp(min=0)))
+            indices = indices[:, :, None, :]
         return indices
     assert method == "topk", method
     top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
@@ -248,10 +246,15 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     out = torch.empty(R, kc, dtype=torch.long, device=dev)
     _write_kernel[(C, R)](vals, meta, State, Cnt, out, W, C, kc, H=1, CH=ch, C_PAD=triton.next_power_of_2(C),
                           PAGED=False)
-    if ranked:  # rank the selected keys only
-        v = torch.where(out >= 0, vals.gather(-1, out.clamp(min=0)), float("-inf"))
-        out = out.gather(-1, v.argsort(dim=-1, descending=True, stable=True))
-    return out
+    return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
+
+
+def _by_value(sel: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Rows of selected keys ``sel`` (ascending, -1 padded) reordered by their values ``vals`` (same shape),
+    descending; ties keep the earlier key first, the padding stays at the end: ranking only the selected keys,
+    a sort of K values rather than a top-k over all n."""
+    vals = torch.where(sel >= 0, vals, float("-inf"))
+    return sel.gather(-1, vals.argsort(dim=-1, descending=True, stable=True))
 
 
 def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
