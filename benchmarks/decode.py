@@ -37,6 +37,7 @@ from triton.testing import do_bench
 from kascade.budget import Budget
 from kascade.ops import dense_attention, select, sparse_attention
 from kascade.ops.triton import decode as td
+from kascade.ops.triton import topk
 
 BUDGET = Budget(ratio=0.1, k_min=128)
 MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -206,8 +207,14 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["select_radix"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
     t["select_topk"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method="topk",
                                                       **sc))
-    t["select"] = min(t["select_radix"], t["select_topk"])
-    method = "radix" if t["select_radix"] <= t["select_topk"] else "topk"
+    topk.AGGREGATE = True
+    t["select_radix_sorted"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch,
+                                                              **sc))
+    aggregate = t["select_radix_sorted"] < t["select_radix"]
+    topk.AGGREGATE = aggregate  # the faster first histogram for the rest of this shape
+    t.update(pool_parts(q, k, meta, scale, sc, ch))
+    t["select"] = min(t["select_radix"], t["select_radix_sorted"], t["select_topk"])
+    method = "radix" if min(t["select_radix"], t["select_radix_sorted"]) <= t["select_topk"] else "topk"
 
     def anchor():
         s = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method=method, chunk=ch, **sc)
@@ -230,8 +237,10 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
         t["eager_anchor"] = bench(anchor, False)
     kv_bytes = 2 * B * H * N * D * 2
     gathered = 2 * B * H * kb * D * 2
+    topk.AGGREGATE = False
     r = {
-        "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method, "times_us": t,
+        "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method, "sorted_histogram": aggregate,
+        "times_us": t,
         "dense_TBps": kv_bytes / (t["dense"] * 1e-6) / 1e12,
         "reuse_gathered_TBps": gathered / (t["reuse"] * 1e-6) / 1e12,
         "score_TBps": kv_bytes / 2 / (t["score_only"] * 1e-6) / 1e12,
@@ -240,6 +249,29 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     r["model_speedup"] = 32 * t["dense"] / (t["layer0"] + 4 * t["anchor"] + 27 * t["reuse"])
     del q, k, v
     return r
+
+
+def pool_parts(q, k, meta, scale, sc, ch):
+    """The selection's first kernel alone (pooling over the group, writing the pooled row): without the first radix
+    histogram, with it by one global atomic per key, and by one atomic per run of equal bins in a sorted chunk. The
+    rest of a radix selection (two histogram passes, the threshold counts, the ordered write) is select_radix -
+    score_only - pool_atomic."""
+    B, HQ = q.shape[:2]
+    H = k.shape[1]
+    _, Mx, Ls, Sc, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
+                                           sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
+    chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
+    pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
+
+    def pool(hist, aggregate):
+        Hist.zero_()
+        topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
+            Sc, Mx, Ls, meta.tensor, pooled, Hist, meta.n_max, S, H=H, G=HQ // H,
+            GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
+            NB1=4096, HIST=hist, AGGREGATE=aggregate)
+
+    return {"pool_nohist": bench(lambda: pool(False, False)), "pool_atomic": bench(lambda: pool(True, False)),
+            "pool_sorted": bench(lambda: pool(True, True))}
 
 
 def tune(dev):
@@ -358,7 +390,9 @@ def main():
         t = r["times_us"]
         log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
             f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
-            f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
+            f"select radix {t['select_radix']:.1f} sorted-hist {t['select_radix_sorted']:.1f} "
+            f"topk {t['select_topk']:.1f} score {t['score_only']:.1f} pool nohist/atomic/sorted "
+            f"{t['pool_nohist']:.1f}/{t['pool_atomic']:.1f}/{t['pool_sorted']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()
         torch.cuda.empty_cache()
@@ -369,7 +403,7 @@ def main():
         f"GPU {header['gpu']} ({header['sms']} SMs), torch {header['torch']}, triton {header['triton']}, "
         f"CUDA {header['cuda']}, bf16, Budget(ratio=0.1, k_min=128), copy {header['copy_TBps']:.2f} TB/s",
         "times in us (CUDA-graph replay, do_bench median, L2 flushed); x = ratio to dense in the same run",
-        "| model | B | N | dense (SDPA / ours) | layer 0 | anchor | reuse | reuse x | anchor x | select radix / topk / score"
+        "| model | B | N | dense (SDPA / ours) | layer 0 | anchor | reuse | reuse x | anchor x | select radix / sorted / topk / score"
         " | reuse TB/s gathered | model avg |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -378,7 +412,8 @@ def main():
         lines.append(
             f"| {r['model']} | {r['B']} | {r['N'] // 1024}K | {t['dense']:.1f} ({t['sdpa']:.1f} / {t['dense_ours']:.1f}) "
             f"| {t['layer0']:.1f} | {t['anchor']:.1f} | {t['reuse']:.1f} | {r['reuse_x']:.3f} | {r['anchor_x']:.3f} "
-            f"| {t['select_radix']:.1f} / {t['select_topk']:.1f} / {t['score_only']:.1f} | {r['reuse_gathered_TBps']:.2f} "
+            f"| {t['select_radix']:.1f} / {t['select_radix_sorted']:.1f} / {t['select_topk']:.1f} / {t['score_only']:.1f} "
+            f"| {r['reuse_gathered_TBps']:.2f} "
             f"| {r['model_speedup']:.2f}x |")
     table = "\n".join(lines)
     (out_dir / "decode.md").write_text(table + "\n")

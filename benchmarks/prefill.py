@@ -34,6 +34,7 @@ from kascade.budget import Budget
 from kascade.costs_measure import cuda_us
 from kascade.ops import reference
 from kascade.ops.triton import prefill as tp
+from kascade.ops.triton import topk
 
 BUDGET = Budget(ratio=0.1, k_min=128, tile=32)
 MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -197,6 +198,10 @@ def measure(name, HQ, H, D, N, flex):
     del sel_r
     row["select_given_lse_radix"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                    method="radix"))
+    topk.AGGREGATE = True  # the first radix histogram by one atomic per run of equal bins (a sorted chunk)
+    row["select_given_lse_radix_sorted"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                          method="radix"))
+    topk.AGGREGATE = False
     row["anchor_radix"] = bench(lambda: tp.sparse_prefill(
         q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="radix"), scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20

@@ -124,9 +124,12 @@ def test_decode_kernels_match_reference(case):
     check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
-def test_radix_selection_breaks_exact_ties_by_position():
+@pytest.mark.parametrize("aggregate", [False, True], ids=["atomic-histogram", "sorted-histogram"])
+def test_radix_selection_breaks_exact_ties_by_position(aggregate, monkeypatch):
     """Scores drawn from four levels, so the pooled probabilities tie exactly, across several selection chunks:
-    the radix select keeps every key above the k-th value and the earliest keys equal to it."""
+    the radix select keeps every key above the k-th value and the earliest keys equal to it. Both ways of counting
+    the first histogram (long runs of equal bins in a chunk: the sorted one adds each run once)."""
+    monkeypatch.setattr(topk, "AGGREGATE", aggregate)
     B, H, G, D = 2, 2, 3, 64
     n = [700, 333]
     g = torch.Generator().manual_seed(3)

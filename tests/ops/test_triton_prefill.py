@@ -205,12 +205,16 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
+@pytest.mark.parametrize("aggregate", [False, True], ids=["atomic-histogram", "sorted-histogram"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
-def test_row_topk_is_exact_with_ties_and_padding(ranked):
+def test_row_topk_is_exact_with_ties_and_padding(ranked, aggregate, monkeypatch):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
-    threshold (ties go to the earliest positions), values of very different magnitudes."""
+    threshold (ties go to the earliest positions), values of very different magnitudes; the first histogram counted
+    by one atomic per key and by one per run of equal bins."""
     from kascade.ops.triton import topk
+
+    monkeypatch.setattr(topk, "AGGREGATE", aggregate)
 
     g = torch.Generator().manual_seed(5)
     R, W = 12, sized(300) + 7

@@ -23,6 +23,9 @@ _NB1, _NB2, _NB3 = 4096, 4096, 128
 NHIST = _NB1 + _NB2 + _NB3  # histogram bins per row (the scoring pass zeroes them)
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
+# How the first histogram is counted: False, one relaxed global atomic per key; True, each program sorts its chunk's
+# bins and adds one atomic per distinct bin (fewer atomics for a sort in registers; benchmarks/decode.py times both).
+AGGREGATE = False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -42,9 +45,31 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _count_bins(Hrow, bins, ok, CH: tl.constexpr, NB: tl.constexpr, AGGREGATE: tl.constexpr):
+    """Add the chunk's ``bins`` (int32 in [0, NB), where ``ok``) to the histogram ``Hrow``: one relaxed global atomic
+    per key, or with AGGREGATE one per distinct bin (the chunk's bins sorted, each run's length added at its end)."""
+    if AGGREGATE:
+        s = tl.sort(tl.where(ok, bins, NB))  # bin NB: no key; it sorts last and is not added
+        i = tl.arange(0, CH)
+        prev = tl.gather(s, tl.maximum(i - 1, 0), 0)
+        nxt = tl.gather(s, tl.minimum(i + 1, CH - 1), 0)
+        start = tl.associative_scan(tl.where((i == 0) | (s != prev), i, 0), 0, _max)  # first index of the run
+        end = (i == CH - 1) | (s != nxt)
+        tl.atomic_add(Hrow + s, i - start + 1, mask=end & (s < NB), sem="relaxed")
+    else:
+        tl.atomic_add(Hrow + bins, tl.full([CH], 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@triton.jit
 def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
-                 CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr, HIST: tl.constexpr):
+                 CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr, HIST: tl.constexpr,
+                 AGGREGATE: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
     c = tl.program_id(0)
     row = tl.program_id(1)
@@ -72,14 +97,15 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
     p = tl.where(pm, p, -1.0)  # below every probability: never selected by torch.topk
     tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
     if HIST:
-        # One relaxed global atomic per key (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower
-        # than the scoring pass in our measurement); the bins of one row are spread over ~2^4 per exponent.
+        # Global atomics (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower than the scoring pass
+        # in our measurement); the bins of one row are spread over ~2^4 per exponent.
         key = p.to(tl.int32, bitcast=True)
-        tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=pm, sem="relaxed")
+        _count_bins(Hist + row * NHIST, key >> 19, pm, CH, NB1, AGGREGATE)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr,
+                 AGGREGATE: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
     rows that come without a pooling pass (prefill's score buffer)."""
     c = tl.program_id(0)
@@ -89,7 +115,7 @@ def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
     ok = pm & (key >= 0)  # -inf (and any negative value) is no candidate
-    tl.atomic_add(Hist + row * NHIST + (key >> 19), tl.full([CH], 1, tl.int32), mask=ok, sem="relaxed")
+    _count_bins(Hist + row * NHIST, key >> 19, ok, CH, NB1, AGGREGATE)
 
 
 @triton.jit
@@ -192,7 +218,7 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     radix = method == "radix"
     _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
-                            NB1=_NB1, HIST=radix)
+                            NB1=_NB1, HIST=radix, AGGREGATE=AGGREGATE)
     if radix:
         State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
         Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
@@ -238,7 +264,7 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST)
+    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST, NB1=_NB1, AGGREGATE=AGGREGATE)
     State = torch.empty(R, 4, dtype=torch.int32, device=dev)
     Cnt = torch.empty(R, C, 2, dtype=torch.int32, device=dev)
     for level in (2, 3, 4):
