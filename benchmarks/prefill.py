@@ -191,19 +191,19 @@ def measure(name, HQ, H, D, N, flex):
     row["select"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc))
     row["reuse"] = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc))
     row["anchor"] = bench(lambda: tp.anchor_prefill(q, k, v, budget=BUDGET, scale=sc))
-    # The radix top-k instead of torch.topk (select_prefill(method="radix")): its time, and whether it picks the
-    # same keys (rows identical as sets; a difference can only be a tie at a row's k-th score)
-    sel_r = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, method="radix")
-    row["radix_rows_identical"] = float((sel_r.indices == sel.indices).all(-1).float().mean())
-    del sel_r
-    row["select_given_lse_radix"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                                   method="radix"))
-    topk.AGGREGATE = True  # the first radix histogram by one atomic per run of equal bins (a sorted chunk)
-    row["select_given_lse_radix_sorted"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                                          method="radix"))
-    topk.AGGREGATE = False
-    row["anchor_radix"] = bench(lambda: tp.sparse_prefill(
-        q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="radix"), scale=sc))
+    # torch.topk instead of the radix top-k (the default, select_prefill(method="radix")): its time, and whether it
+    # picks the same keys (rows identical as sets; a difference can only be a tie at a row's k-th score)
+    sel_t = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, method="topk")
+    row["radix_rows_identical"] = float((sel_t.indices == sel.indices).all(-1).float().mean())
+    del sel_t
+    row["select_given_lse_topk"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                  method="topk"))
+    topk.WARP_AGGREGATE = topk.FIND_ONCE = False  # without the warp-aggregated atomics and the once-per-row search
+    row["select_given_lse_radix_plain"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                         method="radix"))
+    topk.WARP_AGGREGATE = topk.FIND_ONCE = True
+    row["anchor_topk"] = bench(lambda: tp.sparse_prefill(
+        q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="topk"), scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20
     kept = int((sel.indices >= 0).sum())
     row["kept_frac_of_causal"] = kept * BUDGET.tile / (H * N * (N + 1) / 2)  # selected (query, key) pairs
@@ -219,7 +219,7 @@ def measure(name, HQ, H, D, N, flex):
     row["anchor_extra_mb"] = (peak - base - s.indices.numel() * s.indices.element_size()) / 2**20
     del s
     c = row["cudnn"]
-    for key in ("sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "reuse", "select", "anchor_radix"):
+    for key in ("sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "reuse", "select", "anchor_topk"):
         if key in row:
             row[f"{key}_x"] = row[key] / c
     avg = (row["layer0"] + 4 * row["anchor"] + 27 * row["reuse"]) / 32
@@ -264,7 +264,7 @@ def main():
     results["wall_s"] = time.time() - t_start
     with open(os.path.join(args.out, "prefill.json"), "w") as f:
         json.dump(results, f, indent=1)
-    cols = ["cudnn", "sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "anchor_radix", "reuse", "model_avg"]
+    cols = ["cudnn", "sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "anchor_topk", "reuse", "model_avg"]
     lines = [header, f"Budget(ratio=0.1, k_min=128, tile=32), bf16, B=1; ms (x = ratio to cuDNN)", "",
              "| model | N | " + " | ".join(cols) + " | model speedup | anchor extra MB | indices MB |",
              "|" + "---|" * (len(cols) + 5)]

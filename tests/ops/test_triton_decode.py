@@ -124,18 +124,21 @@ def test_decode_kernels_match_reference(case):
     check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
-@pytest.mark.parametrize("aggregate", [False, True], ids=["atomic-histogram", "sorted-histogram"])
-def test_radix_selection_breaks_exact_ties_by_position(aggregate, monkeypatch):
+@pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
+@pytest.mark.parametrize("chunk", [64, 1024], ids=["chunk64", "chunk1024"])
+def test_radix_selection_breaks_exact_ties_by_position(chunk, find_once, monkeypatch):
     """Scores drawn from four levels, so the pooled probabilities tie exactly, across several selection chunks:
-    the radix select keeps every key above the k-th value and the earliest keys equal to it. Both ways of counting
-    the first histogram (long runs of equal bins in a chunk: the sorted one adds each run once)."""
-    monkeypatch.setattr(topk, "AGGREGATE", aggregate)
+    the radix select keeps every key above the k-th value and the earliest keys equal to it. Chunks of 1024 keys
+    take the warp-aggregated histogram atomics on CUDA (long runs of equal bins in every warp); the bin search once
+    per row or in every program."""
+    monkeypatch.setattr(topk, "FIND_ONCE", find_once)
     B, H, G, D = 2, 2, 3, 64
-    n = [700, 333]
+    N = 2600
+    n = [N, 1333]
     g = torch.Generator().manual_seed(3)
-    meta = decode_meta(B, device=DEVICE, kv_start=[0, 700 - 333], q_offset=699, budget=BUDGET)
+    meta = decode_meta(B, device=DEVICE, kv_start=[0, N - n[1]], q_offset=N - 1, budget=BUDGET)
     levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
-    sc = levels[torch.randint(0, 4, (B, H * G, 700), generator=g)]
+    sc = levels[torch.randint(0, 4, (B, H * G, N), generator=g)]
     sc[:, :, :] = sc[:, :1, :]  # every head of a group scores alike: pooled = G x one head's probabilities
     mx = sc.amax(-1, keepdim=True)
     ls = torch.exp2(sc - mx).sum(-1, keepdim=True)
@@ -144,12 +147,12 @@ def test_radix_selection_breaks_exact_ties_by_position(aggregate, monkeypatch):
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
     hist = torch.zeros(B * H, topk.NHIST, dtype=torch.int32)
     indices = topk.select_rows(dev(sc.contiguous()), dev(mx.contiguous()), dev(ls.contiguous()), dev(hist), 1, meta,
-                               B, H, G, method="radix", chunk=64).cpu()
+                               B, H, G, method="radix", chunk=chunk).cpu()
     for b in range(B):
         kb = BUDGET.decode(n[b])
         s = sc[b, 0, : n[b]]
         order = torch.sort(-s, stable=True).indices[:kb]  # higher level first, then earlier position
-        want = order.sort().values + (700 - n[b] if b else 0)
+        want = order.sort().values + (N - n[b] if b else 0)
         for h in range(H):
             assert torch.equal(indices[b, h, 0, :kb], want), f"seq {b} head {h}"
             assert bool((indices[b, h, 0, kb:] == -1).all())

@@ -205,19 +205,20 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
-@pytest.mark.parametrize("aggregate", [False, True], ids=["atomic-histogram", "sorted-histogram"])
+@pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
+@pytest.mark.parametrize("chunk", [64, 1024], ids=["chunk64", "chunk1024"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
-def test_row_topk_is_exact_with_ties_and_padding(ranked, aggregate, monkeypatch):
+def test_row_topk_is_exact_with_ties_and_padding(ranked, chunk, find_once, monkeypatch):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
-    threshold (ties go to the earliest positions), values of very different magnitudes; the first histogram counted
-    by one atomic per key and by one per run of equal bins."""
+    threshold (ties go to the earliest positions), values of very different magnitudes. Chunks of 1024 take the
+    warp-aggregated histogram atomics on CUDA; the bin search once per row or in every program."""
     from kascade.ops.triton import topk
 
-    monkeypatch.setattr(topk, "AGGREGATE", aggregate)
+    monkeypatch.setattr(topk, "FIND_ONCE", find_once)
 
     g = torch.Generator().manual_seed(5)
-    R, W = 12, sized(300) + 7
+    R, W = 12, sized(300 if chunk == 64 else 2600) + 7
     vals = torch.rand(R, W, generator=g) ** 8  # many exponents
     vals[1] = 0.25  # one value everywhere: every candidate ties
     vals[2, ::3] = vals[2, 0]  # a run of equal values spread along the row
@@ -230,7 +231,7 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, aggregate, monkeypatch)
     counts[0], counts[1], counts[2] = W, int(cand[1]) // 2, int(cand[2]) // 3
     counts[6] = 0
     kc = int(counts.max()) + 3
-    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=64).cpu()
+    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=chunk).cpu()
     assert got.shape == (R, kc) and got.dtype == torch.long
     for r in range(R):
         c = int(counts[r])

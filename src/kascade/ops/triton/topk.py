@@ -5,9 +5,13 @@
   probabilities: the pooling kernel builds the histogram of the top 12 bits, two passes refine the next 12 and 7
   bits among the elements sharing the prefix, then an ordered compaction writes every element above the exact
   threshold and the first ones equal to it, in key order (exact; ties at the threshold go to the earliest keys).
-* Prefill (:func:`tile_topk`): the rows of a chunk of tiles, over the chunk's score buffer: ``torch.topk``
-  (``method="topk"``, the default), or the same radix select as decode (``method="radix"``, :func:`row_topk`: a
-  histogram pass over the rows, then the decode passes with one row per "sequence").
+* Prefill (:func:`tile_topk`): the rows of a chunk of tiles, over the chunk's score buffer: the same radix select
+  as decode (``method="radix"``, :func:`row_topk`: a histogram pass over the rows, then the decode passes with one
+  row per "sequence"; what :func:`kascade.ops.triton.prefill.select_prefill` uses by default), or ``torch.topk``
+  (``method="topk"``).
+
+The histograms are counted with global atomics; on CUDA each warp adds one per distinct bin of its lanes. Between
+the passes a program per row finds the bin holding the row's k-th element.
 
 Kernels and launchers only: they assert, they do not validate.
 """
@@ -18,14 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
+from kascade.ops.triton.common import interpreting
+
 # Radix selection on the bit pattern of the (non-negative) fp32 pooled probabilities: 12 + 12 + 7 bits.
 _NB1, _NB2, _NB3 = 4096, 4096, 128
 NHIST = _NB1 + _NB2 + _NB3  # histogram bins per row (the scoring pass zeroes them)
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
-# How the first histogram is counted: False, one relaxed global atomic per key; True, each program sorts its chunk's
-# bins and adds one atomic per distinct bin (fewer atomics for a sort in registers; benchmarks/decode.py times both).
-AGGREGATE = False
+# Histogram counting on CUDA: each warp adds one atomic per distinct bin among its lanes (``match.any``), not one
+# per key (the keys of a row crowd into a few bins: one atomic per key serialises on those addresses). Off: one
+# relaxed atomic per key, as in the interpreter (benchmarks/decode.py times both).
+WARP_AGGREGATE = True
+# The radix passes find the row's bin once, in a program per row, instead of in every chunk's program (each of
+# which would read and scan the 4096-bin histogram again); benchmarks/decode.py times both.
+FIND_ONCE = True
+# Warp aggregation needs every element held by exactly one lane: chunks of at least this many keys (4 warps, up
+# to 4 keys per lane in a vector) never replicate an element across lanes.
+_WARP_MIN_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -45,31 +58,33 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
 
 
 @triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _count_bins(Hrow, bins, ok, CH: tl.constexpr, NB: tl.constexpr, AGGREGATE: tl.constexpr):
-    """Add the chunk's ``bins`` (int32 in [0, NB), where ``ok``) to the histogram ``Hrow``: one relaxed global atomic
-    per key, or with AGGREGATE one per distinct bin (the chunk's bins sorted, each run's length added at its end)."""
-    if AGGREGATE:
-        s = tl.sort(tl.where(ok, bins, NB))  # bin NB: no key; it sorts last and is not added
-        i = tl.arange(0, CH)
-        prev = tl.gather(s, tl.maximum(i - 1, 0), 0)
-        nxt = tl.gather(s, tl.minimum(i + 1, CH - 1), 0)
-        start = tl.associative_scan(tl.where((i == 0) | (s != prev), i, 0), 0, _max)  # first index of the run
-        end = (i == CH - 1) | (s != nxt)
-        tl.atomic_add(Hrow + s, i - start + 1, mask=end & (s < NB), sem="relaxed")
+def _count_bins(Hrow, bins, ok, WARP: tl.constexpr):
+    """Add the ``bins`` (int32 >= 0, where ``ok``) to the histogram ``Hrow`` with relaxed global atomics: one per
+    key, or with WARP (CUDA only) one per distinct bin of a warp's lanes, which adds that bin's count."""
+    if WARP:
+        v = tl.where(ok, bins, -1)  # -1: no key; its lanes group among themselves and add nothing
+        # per lane: the number of lanes of its warp holding the same value, on the lowest of them; 0 elsewhere
+        n = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 m, lt;
+            .reg .pred p;
+            match.any.sync.b32 m, $1, -1;
+            mov.u32 lt, %lanemask_lt;
+            and.b32 lt, lt, m;
+            setp.eq.u32 p, lt, 0;
+            popc.b32 $0, m;
+            @!p mov.u32 $0, 0;
+            }""",
+            constraints="=r,r", args=[v], dtype=tl.int32, is_pure=True, pack=1)
+        tl.atomic_add(Hrow + v, n, mask=ok & (n > 0), sem="relaxed")
     else:
-        tl.atomic_add(Hrow + bins, tl.full([CH], 1, tl.int32), mask=ok, sem="relaxed")
+        tl.atomic_add(Hrow + bins, tl.full(bins.shape, 1, tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
 def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
-                 CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr, HIST: tl.constexpr,
-                 AGGREGATE: tl.constexpr):
+                 CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr, WARP: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
     c = tl.program_id(0)
     row = tl.program_id(1)
@@ -100,12 +115,11 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
         # Global atomics (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower than the scoring pass
         # in our measurement); the bins of one row are spread over ~2^4 per exponent.
         key = p.to(tl.int32, bitcast=True)
-        _count_bins(Hist + row * NHIST, key >> 19, pm, CH, NB1, AGGREGATE)
+        _count_bins(Hist + row * NHIST, key >> 19, pm, WARP)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr, NB1: tl.constexpr,
-                 AGGREGATE: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr, WARP: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
     rows that come without a pooling pass (prefill's score buffer)."""
     c = tl.program_id(0)
@@ -115,14 +129,54 @@ def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
     ok = pm & (key >= 0)  # -inf (and any negative value) is no candidate
-    _count_bins(Hist + row * NHIST, key >> 19, ok, CH, NB1, AGGREGATE)
+    _count_bins(Hist + row * NHIST, key >> 19, ok, WARP)
+
+
+@triton.jit
+def _find_level(Meta, Hist, State, row, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+    """The bin search before radix pass LEVEL, from the histograms so far, into ``State`` (row: bin, still
+    needed, prefix, still needed): LEVEL 2, the 12-bit bin of the row's k-th element; 3, the 24-bit prefix; 4, the
+    exact 31-bit threshold and how many elements equal to it to take. Returns what the pass needs: the bin, the
+    prefix, the threshold."""
+    hrow = Hist + row * NHIST
+    if LEVEL == 2:
+        kk = tl.load(Meta + (row // H) * 4 + 2)
+        b1, r1 = _find_bin(hrow, kk, 4096)
+        tl.store(State + row * 4 + 0, b1)
+        tl.store(State + row * 4 + 1, r1)
+        return b1
+    elif LEVEL == 3:
+        b1 = tl.load(State + row * 4 + 0)
+        r1 = tl.load(State + row * 4 + 1)
+        b2, r2 = _find_bin(hrow + 4096, r1, 4096)
+        prefix = (b1 << 12) | b2
+        tl.store(State + row * 4 + 2, prefix)
+        tl.store(State + row * 4 + 3, r2)
+        return prefix
+    else:
+        prefix = tl.load(State + row * 4 + 2)
+        r2 = tl.load(State + row * 4 + 3)
+        b3, r3 = _find_bin(hrow + 8192, r2, 128)
+        thr = (prefix << 7) | b3
+        tl.store(State + row * 4 + 0, thr)
+        tl.store(State + row * 4 + 1, r3)
+        return thr
+
+
+@triton.jit
+def _find_kernel(Meta, Hist, State, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+    """:func:`_find_level` once per row (FIND_ONCE)."""
+    _find_level(Meta, Hist, State, tl.program_id(0), H, NHIST, LEVEL)
 
 
 @triton.jit
 def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
-                  H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+                  H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr,
+                  FOUND: tl.constexpr, WARP: tl.constexpr):
     """LEVEL 2 / 3: histogram of the next bits among the elements that share the prefix found so far.
-    LEVEL 4: count, per chunk, the elements above the exact threshold and equal to it."""
+    LEVEL 4: count, per chunk, the elements above the exact threshold and equal to it.
+    FOUND: ``State`` already holds this level's bin search (:func:`_find_kernel`); else every program makes it
+    (and stores the same values)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // H
@@ -131,29 +185,16 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
     pm = pos < n
     key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=0.0).to(tl.int32, bitcast=True)
     hrow = Hist + row * NHIST
+    if FOUND:
+        found = tl.load(State + row * 4 + (0 if LEVEL != 3 else 2))
+    else:  # (the bin search reads State written by the previous level's launch, never by this one)
+        found = _find_level(Meta, Hist, State, row, H, NHIST, LEVEL)
     if LEVEL == 2:
-        kk = tl.load(Meta + b * 4 + 2)
-        b1, r1 = _find_bin(hrow, kk, 4096)
-        tl.store(State + row * 4 + 0, b1)
-        tl.store(State + row * 4 + 1, r1)
-        match = pm & ((key >> 19) == b1)
-        tl.atomic_add(hrow + 4096 + ((key >> 7) & 4095), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
+        _count_bins(hrow + 4096, (key >> 7) & 4095, pm & ((key >> 19) == found), WARP)
     elif LEVEL == 3:
-        b1 = tl.load(State + row * 4 + 0)
-        r1 = tl.load(State + row * 4 + 1)
-        b2, r2 = _find_bin(hrow + 4096, r1, 4096)
-        prefix = (b1 << 12) | b2
-        tl.store(State + row * 4 + 2, prefix)
-        tl.store(State + row * 4 + 3, r2)
-        match = pm & ((key >> 7) == prefix)
-        tl.atomic_add(hrow + 8192 + (key & 127), tl.full([CH], 1, tl.int32), mask=match, sem="relaxed")
+        _count_bins(hrow + 8192, key & 127, pm & ((key >> 7) == found), WARP)
     else:
-        prefix = tl.load(State + row * 4 + 2)
-        r2 = tl.load(State + row * 4 + 3)
-        b3, r3 = _find_bin(hrow + 8192, r2, 128)
-        thr = (prefix << 7) | b3
-        tl.store(State + row * 4 + 0, thr)
-        tl.store(State + row * 4 + 1, r3)
+        thr = found
         gt = tl.sum((pm & (key > thr)).to(tl.int32), 0)
         eq = tl.sum((pm & (key == thr)).to(tl.int32), 0)
         tl.store(Cnt + (row * C + c) * 2 + 0, gt)
@@ -199,6 +240,26 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
+def _warp(dev: torch.device, ch: int) -> bool:
+    """Whether the histogram kernels aggregate their atomics per warp (CUDA, compiled, large enough chunks)."""
+    return WARP_AGGREGATE and dev.type == "cuda" and not interpreting() and ch >= _WARP_MIN_CHUNK
+
+
+def _radix_passes(vals, meta, Hist, out, sc_row, rows, H, ch, C, KMAX, paged):
+    """After the first histogram: the two refining passes, the per-chunk counts at the exact threshold and the
+    ordered write of each row's top keys into ``out`` (``rows`` rows of ``KMAX`` slots)."""
+    dev = vals.device
+    State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
+    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
+    for level in (2, 3, 4):
+        if FIND_ONCE:
+            _find_kernel[(rows,)](meta, Hist, State, H=H, NHIST=NHIST, LEVEL=level)
+        _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST, LEVEL=level,
+                                 FOUND=FIND_ONCE, WARP=_warp(dev, ch))
+    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, H=H, CH=ch,
+                             C_PAD=triton.next_power_of_2(C), PAGED=paged)
+
+
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
                 index_dtype=torch.long) -> torch.Tensor:
     """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
@@ -218,16 +279,10 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     radix = method == "radix"
     _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
-                            NB1=_NB1, HIST=radix, AGGREGATE=AGGREGATE)
+                            HIST=radix, WARP=_warp(dev, ch))
     if radix:
-        State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
-        Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
-        for level in (2, 3, 4):
-            _radix_kernel[(C, rows)](Pooled, meta.tensor, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST,
-                                     LEVEL=level)
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
-        _write_kernel[(C, rows)](Pooled, meta.tensor, State, Cnt, indices, sc_row, C, KMAX, H=H, CH=ch,
-                                 C_PAD=triton.next_power_of_2(C), PAGED=meta.paged)
+        _radix_passes(Pooled, meta.tensor, Hist, indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
         if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
@@ -264,14 +319,9 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST, NB1=_NB1, AGGREGATE=AGGREGATE)
-    State = torch.empty(R, 4, dtype=torch.int32, device=dev)
-    Cnt = torch.empty(R, C, 2, dtype=torch.int32, device=dev)
-    for level in (2, 3, 4):
-        _radix_kernel[(C, R)](vals, meta, Hist, State, Cnt, W, C, H=1, CH=ch, NHIST=NHIST, LEVEL=level)
+    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST, WARP=_warp(dev, ch))
     out = torch.empty(R, kc, dtype=torch.long, device=dev)
-    _write_kernel[(C, R)](vals, meta, State, Cnt, out, W, C, kc, H=1, CH=ch, C_PAD=triton.next_power_of_2(C),
-                          PAGED=False)
+    _radix_passes(vals, meta, Hist, out, W, R, 1, ch, C, kc, False)
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
 
 
