@@ -185,6 +185,7 @@ def make(B, HQ, H, N, D, dev, seed=0):
 
 
 def measure(B, HQ, H, N, D, dev, cfg, eager=True):
+    find_once_default = topk.FIND_ONCE_PROGRAMS
     q, k, v = make(B, HQ, H, N, D, dev)
     scale = D**-0.5
     meta = td.decode_meta(B, device=dev, q_offset=N - 1, budget=BUDGET)
@@ -207,12 +208,11 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["select_radix"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
     t["select_topk"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method="topk",
                                                       **sc))
-    # the radix selection without each of its two refinements (one atomic per key; the bin search in every program)
-    for name, warp, once in (("select_radix_no_warp", False, True), ("select_radix_no_find_once", True, False),
-                             ("select_radix_neither", False, False)):
-        topk.WARP_AGGREGATE, topk.FIND_ONCE = warp, once
+    # the radix selection with the bin search in every program and once per row (topk.FIND_ONCE_PROGRAMS picks)
+    for name, always in (("select_radix_find_each", False), ("select_radix_find_once", True)):
+        topk.FIND_ONCE_PROGRAMS = 0 if always else 1 << 62
         t[name] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
-    topk.WARP_AGGREGATE = topk.FIND_ONCE = True
+    topk.FIND_ONCE_PROGRAMS = find_once_default
     t.update(pool_parts(q, k, meta, scale, sc, ch))
     # at full size: the radix selection (defaults) keeps the same keys as torch.topk (rows identical as sets)
     a = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc).indices
@@ -244,7 +244,8 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     kv_bytes = 2 * B * H * N * D * 2
     gathered = 2 * B * H * kb * D * 2
     r = {
-        "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method, "radix_rows_identical_to_topk": same,
+        "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method,
+        "radix_rows_identical_to_topk": same,
         "times_us": t,
         "dense_TBps": kv_bytes / (t["dense"] * 1e-6) / 1e12,
         "reuse_gathered_TBps": gathered / (t["reuse"] * 1e-6) / 1e12,
@@ -258,9 +259,8 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
 
 def pool_parts(q, k, meta, scale, sc, ch):
     """The selection's first kernel alone (pooling over the group, writing the pooled row): without the first radix
-    histogram, with it by one global atomic per key, and by one atomic per distinct bin of a warp. The rest of a
-    radix selection (two histogram passes, the threshold counts, the ordered write) is select_radix - score_only -
-    pool_warp."""
+    histogram and with it (one global atomic per key). The rest of a radix selection (two histogram passes, the
+    threshold counts, the ordered write) is select_radix - score_only - pool_atomic."""
     B, HQ = q.shape[:2]
     H = k.shape[1]
     _, Mx, Ls, Sc, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
@@ -268,15 +268,14 @@ def pool_parts(q, k, meta, scale, sc, ch):
     chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
 
-    def pool(hist, warp):
+    def pool(hist):
         Hist.zero_()
         topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
             Sc, Mx, Ls, meta.tensor, pooled, Hist, meta.n_max, S, H=H, G=HQ // H,
             GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
-            HIST=hist, WARP=warp and chunk >= topk._WARP_MIN_CHUNK)
+            HIST=hist)
 
-    return {"pool_nohist": bench(lambda: pool(False, False)), "pool_atomic": bench(lambda: pool(True, False)),
-            "pool_warp": bench(lambda: pool(True, True))}
+    return {"pool_nohist": bench(lambda: pool(False)), "pool_atomic": bench(lambda: pool(True))}
 
 
 def tune(dev):
@@ -395,10 +394,9 @@ def main():
         t = r["times_us"]
         log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
             f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
-            f"select radix {t['select_radix']:.1f} (no warp {t['select_radix_no_warp']:.1f}, no find-once "
-            f"{t['select_radix_no_find_once']:.1f}, neither {t['select_radix_neither']:.1f}) "
-            f"topk {t['select_topk']:.1f} score {t['score_only']:.1f} pool nohist/atomic/warp "
-            f"{t['pool_nohist']:.1f}/{t['pool_atomic']:.1f}/{t['pool_warp']:.1f} "
+            f"select radix {t['select_radix']:.1f} (find each {t['select_radix_find_each']:.1f}, once "
+            f"{t['select_radix_find_once']:.1f}) topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
+            f"pool nohist/atomic {t['pool_nohist']:.1f}/{t['pool_atomic']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()
         torch.cuda.empty_cache()
@@ -409,7 +407,7 @@ def main():
         f"GPU {header['gpu']} ({header['sms']} SMs), torch {header['torch']}, triton {header['triton']}, "
         f"CUDA {header['cuda']}, bf16, Budget(ratio=0.1, k_min=128), copy {header['copy_TBps']:.2f} TB/s",
         "times in us (CUDA-graph replay, do_bench median, L2 flushed); x = ratio to dense in the same run",
-        "| model | B | N | dense (SDPA / ours) | layer 0 | anchor | reuse | reuse x | anchor x | select radix (neither) / topk / score"
+        "| model | B | N | dense (SDPA / ours) | layer 0 | anchor | reuse | reuse x | anchor x | select radix / topk / score"
         " | reuse TB/s gathered | model avg |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -418,7 +416,7 @@ def main():
         lines.append(
             f"| {r['model']} | {r['B']} | {r['N'] // 1024}K | {t['dense']:.1f} ({t['sdpa']:.1f} / {t['dense_ours']:.1f}) "
             f"| {t['layer0']:.1f} | {t['anchor']:.1f} | {t['reuse']:.1f} | {r['reuse_x']:.3f} | {r['anchor_x']:.3f} "
-            f"| {t['select_radix']:.1f} ({t['select_radix_neither']:.1f}) / {t['select_topk']:.1f} / {t['score_only']:.1f} "
+            f"| {t['select_radix']:.1f} / {t['select_topk']:.1f} / {t['score_only']:.1f} "
             f"| {r['reuse_gathered_TBps']:.2f} "
             f"| {r['model_speedup']:.2f}x |")
     table = "\n".join(lines)

@@ -198,10 +198,11 @@ def measure(name, HQ, H, D, N, flex):
     del sel_t
     row["select_given_lse_topk"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                   method="topk"))
-    topk.WARP_AGGREGATE = topk.FIND_ONCE = False  # without the warp-aggregated atomics and the once-per-row search
-    row["select_given_lse_radix_plain"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                                         method="radix"))
-    topk.WARP_AGGREGATE = topk.FIND_ONCE = True
+    once = topk.FIND_ONCE_PROGRAMS
+    topk.FIND_ONCE_PROGRAMS = 1 << 62  # the bin search in every program instead of once per row
+    row["select_given_lse_radix_find_each"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                             method="radix"))
+    topk.FIND_ONCE_PROGRAMS = once
     row["anchor_topk"] = bench(lambda: tp.sparse_prefill(
         q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="topk"), scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20

@@ -21,6 +21,7 @@ from kernel_checks import (check_close, check_lse, check_prefill_selection, dev,
                            host_selection, masters, nan_like, poison, pooled_prefill_rows, sized)
 from kascade.ops import reference  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
+from kascade.ops.triton import topk  # noqa: E402
 
 # (B, H, G, N, L, D, T, dtype, chunked): L < N - tail leaves a cached prefix (chunked prefill) when chunked. N and L
 # grow with the test device's size scale.
@@ -88,11 +89,14 @@ def test_prefill_kernels_match_reference(case):
     # chunks of a few tiles (their budgets differ: the chunk's largest one sizes its top-k), and int32 indices
     want_sel = reference.select(q, k, budget=budget, **pos)
     pooled = pooled_prefill_rows(q, k, kv_start, q_offset, scale, T)
-    few = B * H * 3 * (4 * N + 40 * budget.k(N))  # about 3 tiles per chunk
+    # about 3 tiles per chunk: a row's buffer plus its top-k temporaries (the radix select's histograms, or
+    # torch.topk's values and indices)
+    few = B * H * 3 * (4 * N + 4 * topk.NHIST + 64 * budget.k(N))
+    few_topk = B * H * 3 * (4 * N + 40 * budget.k(N))
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
-                     ("radix top-k", {"method": "radix"}),
-                     ("radix top-k, few-tile chunks", {"method": "radix", "max_chunk_bytes": few})):
+                     ("torch.topk", {"method": "topk"}),
+                     ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
         if what == "int32":
             assert sel.indices.dtype == torch.int32
@@ -206,19 +210,16 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
 
 
 @pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
-@pytest.mark.parametrize("chunk", [64, 1024], ids=["chunk64", "chunk1024"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
-def test_row_topk_is_exact_with_ties_and_padding(ranked, chunk, find_once, monkeypatch):
+def test_row_topk_is_exact_with_ties_and_padding(ranked, find_once, monkeypatch):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
-    threshold (ties go to the earliest positions), values of very different magnitudes. Chunks of 1024 take the
-    warp-aggregated histogram atomics on CUDA; the bin search once per row or in every program."""
-    from kascade.ops.triton import topk
-
-    monkeypatch.setattr(topk, "FIND_ONCE", find_once)
+    threshold (ties go to the earliest positions), values of very different magnitudes; the bin search once per row
+    (a kernel of its own) or in every program."""
+    monkeypatch.setattr(topk, "FIND_ONCE_PROGRAMS", 0 if find_once else 1 << 62)
 
     g = torch.Generator().manual_seed(5)
-    R, W = 12, sized(300 if chunk == 64 else 2600) + 7
+    R, W = 12, sized(300) + 7
     vals = torch.rand(R, W, generator=g) ** 8  # many exponents
     vals[1] = 0.25  # one value everywhere: every candidate ties
     vals[2, ::3] = vals[2, 0]  # a run of equal values spread along the row
@@ -231,7 +232,7 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, chunk, find_once, monke
     counts[0], counts[1], counts[2] = W, int(cand[1]) // 2, int(cand[2]) // 3
     counts[6] = 0
     kc = int(counts.max()) + 3
-    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=chunk).cpu()
+    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=64).cpu()
     assert got.shape == (R, kc) and got.dtype == torch.long
     for r in range(R):
         c = int(counts[r])

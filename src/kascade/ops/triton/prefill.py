@@ -429,8 +429,10 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
 
     def row_bytes(w, kc):  # a buffer row and its top-k temporaries
-        if method == "radix":  # histograms, per-chunk counts, the int64 result (+ values and order when ranked)
-            return 4 * w + 4 * topk.NHIST + 8 * triton.cdiv(w, topk.SELECT_CHUNK) + 32 + (32 if depth else 8) * kc
+        if method == "radix":  # histograms, per-chunk counts, the int64 result (+ values and order when ranked),
+            # and the write-back below (top >= 0, top + start, the where: 17 bytes per key)
+            return (4 * w + 4 * topk.NHIST + 8 * triton.cdiv(w, topk.SELECT_CHUNK) + 32
+                    + (32 if depth else 8) * kc + 17 * kc)
         return 4 * w + 40 * kc  # torch.topk: values, indices, a sorted copy
 
     def kmax(r0, r1):

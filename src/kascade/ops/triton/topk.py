@@ -10,8 +10,8 @@
   row per "sequence"; what :func:`kascade.ops.triton.prefill.select_prefill` uses by default), or ``torch.topk``
   (``method="topk"``).
 
-The histograms are counted with global atomics; on CUDA each warp adds one per distinct bin of its lanes. Between
-the passes a program per row finds the bin holding the row's k-th element.
+The histograms are counted with one global atomic per key; between the passes, with many programs, a program per
+row finds the bin holding the row's k-th element (FIND_ONCE_PROGRAMS).
 
 Kernels and launchers only: they assert, they do not validate.
 """
@@ -22,23 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kascade.ops.triton.common import interpreting
-
 # Radix selection on the bit pattern of the (non-negative) fp32 pooled probabilities: 12 + 12 + 7 bits.
 _NB1, _NB2, _NB3 = 4096, 4096, 128
 NHIST = _NB1 + _NB2 + _NB3  # histogram bins per row (the scoring pass zeroes them)
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
-# Histogram counting on CUDA: each warp adds one atomic per distinct bin among its lanes (``match.any``), not one
-# per key (the keys of a row crowd into a few bins: one atomic per key serialises on those addresses). Off: one
-# relaxed atomic per key, as in the interpreter (benchmarks/decode.py times both).
-WARP_AGGREGATE = True
-# The radix passes find the row's bin once, in a program per row, instead of in every chunk's program (each of
-# which would read and scan the 4096-bin histogram again); benchmarks/decode.py times both.
-FIND_ONCE = True
-# Warp aggregation needs every element held by exactly one lane: chunks of at least this many keys (4 warps, up
-# to 4 keys per lane in a vector) never replicate an element across lanes.
-_WARP_MIN_CHUNK = 1024
+# The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
+# row finds it once before each pass; with few, every program finds it itself (two launches fewer, which is what
+# counts at B = 1). H200: once per row saves ~150 us of 3,300 at B=32, N=128K (16,384 programs) and costs ~4 us at
+# B=1, N=32K (128 programs); docs/benchmarks/decode.md.
+FIND_ONCE_PROGRAMS = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -58,33 +51,17 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
 
 
 @triton.jit
-def _count_bins(Hrow, bins, ok, WARP: tl.constexpr):
-    """Add the ``bins`` (int32 >= 0, where ``ok``) to the histogram ``Hrow`` with relaxed global atomics: one per
-    key, or with WARP (CUDA only) one per distinct bin of a warp's lanes, which adds that bin's count."""
-    if WARP:
-        v = tl.where(ok, bins, -1)  # -1: no key; its lanes group among themselves and add nothing
-        # per lane: the number of lanes of its warp holding the same value, on the lowest of them; 0 elsewhere
-        n = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 m, lt;
-            .reg .pred p;
-            match.any.sync.b32 m, $1, -1;
-            mov.u32 lt, %lanemask_lt;
-            and.b32 lt, lt, m;
-            setp.eq.u32 p, lt, 0;
-            popc.b32 $0, m;
-            @!p mov.u32 $0, 0;
-            }""",
-            constraints="=r,r", args=[v], dtype=tl.int32, is_pure=True, pack=1)
-        tl.atomic_add(Hrow + v, n, mask=ok & (n > 0), sem="relaxed")
-    else:
-        tl.atomic_add(Hrow + bins, tl.full(bins.shape, 1, tl.int32), mask=ok, sem="relaxed")
+def _count_bins(Hrow, bins, ok):
+    """Add the ``bins`` (int32 >= 0, where ``ok``) to the histogram ``Hrow``: one relaxed global atomic per key.
+    (Tried on the H200 and slower: one atomic per distinct bin of a warp, found with ``match.any``; one per run of
+    a sorted chunk; ``tl.histogram`` with 4096 bins. docs/benchmarks/decode.md.)"""
+    tl.atomic_add(Hrow + bins, tl.full(bins.shape, 1, tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
 def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
-                 CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr, WARP: tl.constexpr):
+                 CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
     c = tl.program_id(0)
     row = tl.program_id(1)
@@ -115,11 +92,11 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
         # Global atomics (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower than the scoring pass
         # in our measurement); the bins of one row are spread over ~2^4 per exponent.
         key = p.to(tl.int32, bitcast=True)
-        _count_bins(Hist + row * NHIST, key >> 19, pm, WARP)
+        _count_bins(Hist + row * NHIST, key >> 19, pm)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr, WARP: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
     rows that come without a pooling pass (prefill's score buffer)."""
     c = tl.program_id(0)
@@ -129,7 +106,7 @@ def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
     ok = pm & (key >= 0)  # -inf (and any negative value) is no candidate
-    _count_bins(Hist + row * NHIST, key >> 19, ok, WARP)
+    _count_bins(Hist + row * NHIST, key >> 19, ok)
 
 
 @triton.jit
@@ -165,14 +142,14 @@ def _find_level(Meta, Hist, State, row, H: tl.constexpr, NHIST: tl.constexpr, LE
 
 @triton.jit
 def _find_kernel(Meta, Hist, State, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
-    """:func:`_find_level` once per row (FIND_ONCE)."""
+    """:func:`_find_level` once per row (with many programs: FIND_ONCE_PROGRAMS)."""
     _find_level(Meta, Hist, State, tl.program_id(0), H, NHIST, LEVEL)
 
 
 @triton.jit
 def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
                   H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr,
-                  FOUND: tl.constexpr, WARP: tl.constexpr):
+                  FOUND: tl.constexpr):
     """LEVEL 2 / 3: histogram of the next bits among the elements that share the prefix found so far.
     LEVEL 4: count, per chunk, the elements above the exact threshold and equal to it.
     FOUND: ``State`` already holds this level's bin search (:func:`_find_kernel`); else every program makes it
@@ -190,9 +167,9 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
     else:  # (the bin search reads State written by the previous level's launch, never by this one)
         found = _find_level(Meta, Hist, State, row, H, NHIST, LEVEL)
     if LEVEL == 2:
-        _count_bins(hrow + 4096, (key >> 7) & 4095, pm & ((key >> 19) == found), WARP)
+        _count_bins(hrow + 4096, (key >> 7) & 4095, pm & ((key >> 19) == found))
     elif LEVEL == 3:
-        _count_bins(hrow + 8192, key & 127, pm & ((key >> 7) == found), WARP)
+        _count_bins(hrow + 8192, key & 127, pm & ((key >> 7) == found))
     else:
         thr = found
         gt = tl.sum((pm & (key > thr)).to(tl.int32), 0)
@@ -240,22 +217,18 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _warp(dev: torch.device, ch: int) -> bool:
-    """Whether the histogram kernels aggregate their atomics per warp (CUDA, compiled, large enough chunks)."""
-    return WARP_AGGREGATE and dev.type == "cuda" and not interpreting() and ch >= _WARP_MIN_CHUNK
-
-
 def _radix_passes(vals, meta, Hist, out, sc_row, rows, H, ch, C, KMAX, paged):
     """After the first histogram: the two refining passes, the per-chunk counts at the exact threshold and the
     ordered write of each row's top keys into ``out`` (``rows`` rows of ``KMAX`` slots)."""
     dev = vals.device
     State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
+    once = rows * C >= FIND_ONCE_PROGRAMS
     for level in (2, 3, 4):
-        if FIND_ONCE:
+        if once:
             _find_kernel[(rows,)](meta, Hist, State, H=H, NHIST=NHIST, LEVEL=level)
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST, LEVEL=level,
-                                 FOUND=FIND_ONCE, WARP=_warp(dev, ch))
+                                 FOUND=once)
     _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, H=H, CH=ch,
                              C_PAD=triton.next_power_of_2(C), PAGED=paged)
 
@@ -279,7 +252,7 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     radix = method == "radix"
     _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
-                            HIST=radix, WARP=_warp(dev, ch))
+                            HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         _radix_passes(Pooled, meta.tensor, Hist, indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
@@ -319,7 +292,7 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST, WARP=_warp(dev, ch))
+    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST)
     out = torch.empty(R, kc, dtype=torch.long, device=dev)
     _radix_passes(vals, meta, Hist, out, W, R, 1, ch, C, kc, False)
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
