@@ -124,19 +124,26 @@ def test_decode_kernels_match_reference(case):
     check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
+@pytest.mark.parametrize("scores", ["four-levels", "peaked"])
 @pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
-def test_radix_selection_breaks_exact_ties_by_position(find_once, monkeypatch):
-    """Scores drawn from four levels, so the pooled probabilities tie exactly, across several selection chunks:
+def test_radix_selection_breaks_exact_ties_by_position(find_once, scores, monkeypatch):
+    """Scores drawn from a few levels, so the pooled probabilities tie exactly, across several selection chunks:
     the radix select keeps every key above the k-th value and the earliest keys equal to it; the bin search once
-    per row (a kernel of its own) or in every program."""
+    per row (a kernel of its own) or in every program. "peaked": a few keys hold nearly all the mass and the k-th
+    key's probability (~2^-90) lies far below the first histogram's exponent window, so the fallback path (the
+    whole bit pattern radixed from the top) decides."""
     monkeypatch.setattr(topk, "FIND_ONCE_PROGRAMS", 0 if find_once else 1 << 62)
     B, H, G, D = 2, 2, 3, 64
     N = 700
     n = [N, 333]
     g = torch.Generator().manual_seed(3)
     meta = decode_meta(B, device=DEVICE, kv_start=[0, N - n[1]], q_offset=N - 1, budget=BUDGET)
-    levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
-    sc = levels[torch.randint(0, 4, (B, H * G, N), generator=g)]
+    if scores == "peaked":  # 3% of keys at 0, the rest on 32 levels from -90 down (distinct fp32 probabilities)
+        low = -90.0 - 0.25 * torch.randint(0, 32, (B, H * G, N), generator=g).float()
+        sc = torch.where(torch.rand(B, H * G, N, generator=g) < 0.03, 0.0, low)
+    else:
+        levels = torch.tensor([-2.0, 0.0, 1.0, 1.5])
+        sc = levels[torch.randint(0, 4, (B, H * G, N), generator=g)]
     sc[:, :, :] = sc[:, :1, :]  # every head of a group scores alike: pooled = G x one head's probabilities
     mx = sc.amax(-1, keepdim=True)
     ls = torch.exp2(sc - mx).sum(-1, keepdim=True)

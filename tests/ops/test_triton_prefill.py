@@ -209,13 +209,16 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
+@pytest.mark.parametrize("mass", ["row-sum", "none", "too-small"])
 @pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
-def test_row_topk_is_exact_with_ties_and_padding(ranked, find_once, monkeypatch):
+def test_row_topk_is_exact_with_ties_and_padding(ranked, find_once, mass, monkeypatch):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
     threshold (ties go to the earliest positions), values of very different magnitudes; the bin search once per row
-    (a kernel of its own) or in every program."""
+    (a kernel of its own) or in every program. ``mass``: a true bound of the rows' sums (the exponent window decides
+    most rows), none (the fallback path for every row) or one far too small (the k-th key above the window: the
+    fallback again); all exact."""
     monkeypatch.setattr(topk, "FIND_ONCE_PROGRAMS", 0 if find_once else 1 << 62)
 
     g = torch.Generator().manual_seed(5)
@@ -232,7 +235,9 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, find_once, monkeypatch)
     counts[0], counts[1], counts[2] = W, int(cand[1]) // 2, int(cand[2]) // 3
     counts[6] = 0
     kc = int(counts.max()) + 3
-    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=64).cpu()
+    total = float(vals.clamp(min=0).sum(-1).max())
+    bound = {"row-sum": total, "none": None, "too-small": total * 2.0**-80}[mass]
+    got = topk.row_topk(dev(vals), dev(counts.to(torch.int32)), kc, ranked=ranked, chunk=64, mass=bound).cpu()
     assert got.shape == (R, kc) and got.dtype == torch.long
     for r in range(R):
         c = int(counts[r])

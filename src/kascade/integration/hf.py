@@ -106,6 +106,9 @@ def check_supported(model) -> None:
     if v_dim is not None and v_dim != qk_dim:
         raise ValueError(f"this model's values have another head dim ({v_dim}) than its queries and keys ({qk_dim}), as "
                          "in multi-head latent attention; Kascade's ops take one head dim")
+    if getattr(cfg, "alibi", False) is True:
+        raise ValueError("this model adds ALiBi position biases through the attention mask, which Kascade's attention "
+                         "does not apply")
     if not layer_types and getattr(cfg, "sliding_window", None) is not None:
         raise ValueError(f"this model uses sliding-window attention (sliding_window={cfg.sliding_window}), which Kascade "
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")

@@ -468,7 +468,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
             if _scores_only:  # benchmark breakdown: the scoring kernels without the top-k
                 r0 = r1
                 continue
-            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method)
+            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
+                                 mass=G * T)  # a row pools G x T queries' probabilities
             del buf
             indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
             del top

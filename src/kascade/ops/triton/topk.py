@@ -22,9 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-# Radix selection on the bit pattern of the (non-negative) fp32 pooled probabilities: 12 + 12 + 7 bits.
-_NB1, _NB2, _NB3 = 4096, 4096, 128
-NHIST = _NB1 + _NB2 + _NB3  # histogram bins per row (the scoring pass zeroes them)
+# Radix selection on the bit pattern of the (non-negative) fp32 values (pooled probabilities). The first
+# histogram counts exponents only, relative to an upper bound of the k-th largest value (a row's values sum to at
+# most ``mass``, so its k-th largest is at most mass / k): 62 bins of one exponent each below the bound's exponent,
+# one for everything above (fewer than k keys), one for everything far below; it is counted per program in
+# registers (tl.histogram of 64 bins) and added with one atomic per bin, not one per key. Two passes then refine 12
+# and 11 bits of the mantissa among the keys sharing the prefix. When the k-th key falls outside the window (a
+# rare, extremely peaked row, or no bound given) a fallback path radixes the whole pattern instead (12 + 12 + 7
+# bits, one atomic per matching key); a third refining pass does nothing otherwise.
+_NB1 = 64  # first (relative exponent) histogram
+_NBR = 4096  # each refining histogram
+NHIST = _NB1 + 3 * _NBR  # histogram bins per row (the scoring pass zeroes them)
+_BIG_EXP = 318  # an exponent bound above every key: every key in bin 0, the fallback path
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
 # The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
@@ -51,15 +60,27 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
 
 
 @triton.jit
-def _count_bins(Hrow, bins, ok):
-    """Add the ``bins`` (int32 >= 0, where ``ok``) to the histogram ``Hrow``: one relaxed global atomic per key.
-    (Tried on the H200 and slower: one atomic per distinct bin of a warp, found with ``match.any``; one per run of
-    a sorted chunk; ``tl.histogram`` with 4096 bins. docs/benchmarks/decode.md.)"""
-    tl.atomic_add(Hrow + bins, tl.full(bins.shape, 1, tl.int32), mask=ok, sem="relaxed")
+def _bound_exp(mass, kk):
+    """Exponent field of an upper bound of a row's kk-th largest value (its values sum to at most ``mass``), with
+    a factor 4 of margin for rounding; mass <= 0: no bound (every key in the first histogram's bin 0)."""
+    bound = mass / tl.maximum(kk, 1).to(tl.float32)
+    e = ((bound.to(tl.int32, bitcast=True) >> 23) & 255) + 2
+    return tl.where(mass > 0, e, 318)
 
 
 @triton.jit
-def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
+def _first_histogram(Hrow, key, ok, e_hi, CH: tl.constexpr):
+    """The first histogram of a chunk's keys (int32 bit patterns of values >= 0, where ``ok``): bin 63 for exponents
+    >= e_hi, 62 - i for exponent e_hi - 1 - i (i < 62), 0 below; one atomic per non-empty bin."""
+    b = tl.minimum(tl.maximum((key >> 23) - e_hi + 63, 0), 63)
+    h = tl.histogram(tl.where(ok, b, 0), 64)
+    offs = tl.arange(0, 64)
+    h = tl.where(offs == 0, h - (CH - tl.sum(ok.to(tl.int32), 0)), h)  # the keys that are not: counted in bin 0
+    tl.atomic_add(Hrow + offs, h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
                  CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
@@ -89,55 +110,59 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
     p = tl.where(pm, p, -1.0)  # below every probability: never selected by torch.topk
     tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
     if HIST:
-        # Global atomics (tl.histogram with 4096 bins costs O(bins) per warp step: 4x slower than the scoring pass
-        # in our measurement); the bins of one row are spread over ~2^4 per exponent.
-        key = p.to(tl.int32, bitcast=True)
-        _count_bins(Hist + row * NHIST, key >> 19, pm)
+        e_hi = _bound_exp(tl.full([], G, tl.float32), tl.load(Meta + b * 4 + 2))  # a row's probabilities sum to G
+        tl.store(State + row * 8 + 3, e_hi)  # (every program of the row stores the same value)
+        _first_histogram(Hist + row * NHIST, p.to(tl.int32, bitcast=True), pm, e_hi, CH)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, sc_row, CH: tl.constexpr, NHIST: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
-    rows that come without a pooling pass (prefill's score buffer)."""
+    rows that come without a pooling pass (prefill's score buffer); a row's values sum to at most ``mass`` (<= 0:
+    no bound)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     n = tl.load(Meta + row * 4 + 1)
+    e_hi = _bound_exp(mass, tl.load(Meta + row * 4 + 2))
+    tl.store(State + row * 8 + 3, e_hi)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
-    ok = pm & (key >= 0)  # -inf (and any negative value) is no candidate
-    _count_bins(Hist + row * NHIST, key >> 19, ok)
+    _first_histogram(Hist + row * NHIST, key, pm & (key >= 0), e_hi, CH)  # -inf (any negative): no candidate
 
 
 @triton.jit
 def _find_level(Meta, Hist, State, row, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
-    """The bin search before radix pass LEVEL, from the histograms so far, into ``State`` (row: bin, still
-    needed, prefix, still needed): LEVEL 2, the 12-bit bin of the row's k-th element; 3, the 24-bit prefix; 4, the
-    exact 31-bit threshold and how many elements equal to it to take. Returns what the pass needs: the bin, the
-    prefix, the threshold."""
+    """The bin search before pass LEVEL (2-4: refining, 5: threshold counts), from the histogram of the pass
+    before, into ``State`` (per row, 8 int32: two sets of (prefix, its number of known bits from bit 30 down, how
+    many keys equal to it are still needed) at 0 and 4, the first histogram's exponent bound at 3). LEVEL writes set
+    LEVEL % 2 and reads the other, so that programs searching in one launch never read what another one writes.
+    After LEVEL 5 (set 1) the prefix is the exact threshold. Returns (prefix, known bits)."""
     hrow = Hist + row * NHIST
+    rd = State + row * 8 + 4 * ((LEVEL + 1) % 2)
+    wr = State + row * 8 + 4 * (LEVEL % 2)
     if LEVEL == 2:
         kk = tl.load(Meta + (row // H) * 4 + 2)
-        b1, r1 = _find_bin(hrow, kk, 4096)
-        tl.store(State + row * 4 + 0, b1)
-        tl.store(State + row * 4 + 1, r1)
-        return b1
-    elif LEVEL == 3:
-        b1 = tl.load(State + row * 4 + 0)
-        r1 = tl.load(State + row * 4 + 1)
-        b2, r2 = _find_bin(hrow + 4096, r1, 4096)
-        prefix = (b1 << 12) | b2
-        tl.store(State + row * 4 + 2, prefix)
-        tl.store(State + row * 4 + 3, r2)
-        return prefix
+        e_hi = tl.load(State + row * 8 + 3)
+        sel, r = _find_bin(hrow, kk, 64)
+        inside = (sel > 0) & (sel < 63)  # one exponent: the 8 bits after the sign are known
+        prefix = tl.where(inside, e_hi - 63 + sel, 0)
+        known = tl.where(inside, 8, 0)  # else the fallback: the whole pattern from the top, every key again
+        r = tl.where(inside, r, kk)
     else:
-        prefix = tl.load(State + row * 4 + 2)
-        r2 = tl.load(State + row * 4 + 3)
-        b3, r3 = _find_bin(hrow + 8192, r2, 128)
-        thr = (prefix << 7) | b3
-        tl.store(State + row * 4 + 0, thr)
-        tl.store(State + row * 4 + 1, r3)
-        return thr
+        prefix = tl.load(rd + 0)
+        known = tl.load(rd + 1)
+        r = tl.load(rd + 2)
+        if known < 31:
+            bits = tl.minimum(12, 31 - known)
+            sel, r2 = _find_bin(hrow + 64 + (LEVEL - 3) * 4096, r, 4096)
+            prefix = (prefix << bits) | sel
+            known = known + bits
+            r = r2
+    tl.store(wr + 0, prefix)
+    tl.store(wr + 1, known)
+    tl.store(wr + 2, r)
+    return prefix, known
 
 
 @triton.jit
@@ -150,30 +175,33 @@ def _find_kernel(Meta, Hist, State, H: tl.constexpr, NHIST: tl.constexpr, LEVEL:
 def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
                   H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr,
                   FOUND: tl.constexpr):
-    """LEVEL 2 / 3: histogram of the next bits among the elements that share the prefix found so far.
-    LEVEL 4: count, per chunk, the elements above the exact threshold and equal to it.
+    """LEVEL 2-4: histogram of the next (up to 12) bits among the keys that share the prefix found so far (none
+    once all 31 are known). LEVEL 5: count, per chunk, the keys above the exact threshold and equal to it.
     FOUND: ``State`` already holds this level's bin search (:func:`_find_kernel`); else every program makes it
     (and stores the same values)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // H
     n = tl.load(Meta + b * 4 + 1)
+    if FOUND:
+        prefix = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 0)
+        known = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 1)
+    else:  # (the bin search reads State written by the previous level's launch, never by this one)
+        prefix, known = _find_level(Meta, Hist, State, row, H, NHIST, LEVEL)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
-    key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=0.0).to(tl.int32, bitcast=True)
-    hrow = Hist + row * NHIST
-    if FOUND:
-        found = tl.load(State + row * 4 + (0 if LEVEL != 3 else 2))
-    else:  # (the bin search reads State written by the previous level's launch, never by this one)
-        found = _find_level(Meta, Hist, State, row, H, NHIST, LEVEL)
-    if LEVEL == 2:
-        _count_bins(hrow + 4096, (key >> 7) & 4095, pm & ((key >> 19) == found))
-    elif LEVEL == 3:
-        _count_bins(hrow + 8192, key & 127, pm & ((key >> 7) == found))
+    if LEVEL < 5:
+        if known < 31:
+            key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)
+            bits = tl.minimum(12, 31 - known)
+            match = pm & ((key >> (31 - known)) == prefix)  # known = 0: every key >= 0 (a negative one is no key)
+            digit = (key >> (31 - known - bits)) & ((1 << bits) - 1)
+            tl.atomic_add(Hist + row * NHIST + 64 + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
+                          mask=match, sem="relaxed")
     else:
-        thr = found
-        gt = tl.sum((pm & (key > thr)).to(tl.int32), 0)
-        eq = tl.sum((pm & (key == thr)).to(tl.int32), 0)
+        key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)
+        gt = tl.sum((pm & (key > prefix)).to(tl.int32), 0)
+        eq = tl.sum((pm & (key == prefix)).to(tl.int32), 0)
         tl.store(Cnt + (row * C + c) * 2 + 0, gt)
         tl.store(Cnt + (row * C + c) * 2 + 1, eq)
 
@@ -191,15 +219,15 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
         base = 0
     else:
         base = tl.load(Meta + b * 4)
-    thr = tl.load(State + row * 4 + 0)
-    need = tl.load(State + row * 4 + 1)  # elements equal to thr to take
+    thr = tl.load(State + row * 8 + 4)  # set 1, written by the threshold pass
+    need = tl.load(State + row * 8 + 6)  # elements equal to thr to take
     offs_c = tl.arange(0, C_PAD)
     before = offs_c < c
     gt_before = tl.sum(tl.load(Cnt + (row * C + offs_c) * 2, mask=before, other=0), 0)
     eq_before = tl.sum(tl.load(Cnt + (row * C + offs_c) * 2 + 1, mask=before, other=0), 0)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
-    key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)
     gt = pm & (key > thr)
     eq = pm & (key == thr)
     eqi = eq.to(tl.int32)
@@ -217,14 +245,12 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, out, sc_row, rows, H, ch, C, KMAX, paged):
-    """After the first histogram: the two refining passes, the per-chunk counts at the exact threshold and the
-    ordered write of each row's top keys into ``out`` (``rows`` rows of ``KMAX`` slots)."""
-    dev = vals.device
-    State = torch.empty(rows, 4, dtype=torch.int32, device=dev)
-    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=dev)
+def _radix_passes(vals, meta, Hist, State, out, sc_row, rows, H, ch, C, KMAX, paged):
+    """After the first histogram: the refining passes, the per-chunk counts at the exact threshold and the ordered
+    write of each row's top keys into ``out`` (``rows`` rows of ``KMAX`` slots)."""
+    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     once = rows * C >= FIND_ONCE_PROGRAMS
-    for level in (2, 3, 4):
+    for level in (2, 3, 4, 5):
         if once:
             _find_kernel[(rows,)](meta, Hist, State, H=H, NHIST=NHIST, LEVEL=level)
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST, LEVEL=level,
@@ -250,12 +276,13 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
     radix = method == "radix"
-    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
+    State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
+    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
                             HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
-        _radix_passes(Pooled, meta.tensor, Hist, indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
+        _radix_passes(Pooled, meta.tensor, Hist, State, indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
         if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
@@ -275,11 +302,13 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
 
 
 def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
-             chunk: int | None = None) -> torch.Tensor:
+             chunk: int | None = None, mass: float | None = None) -> torch.Tensor:
     """Exact top ``counts[r]`` of every row of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) by radix
     select: ``counts [R]`` int32 on the device, ``kc >= counts.max()`` (a host bound, no read-back). ``-> [R, kc]``
     int64 positions, -1 padded; ascending (ties at the threshold: the earliest positions), or with ``ranked`` in
     descending value (ties: the earlier position first). A row must have at least ``counts[r]`` candidates.
+    ``mass``: an upper bound of every row's sum of candidates (faster: the exponent-window first histogram); a
+    wrong bound still selects exactly, by the fallback path; None: always the fallback path.
 
     The decode passes with one row per "sequence" (``H = 1``, a per-row ``meta``: 0, the span ``W``, the count, 0),
     after a histogram pass of their own (decode's comes from its pooling kernel)."""
@@ -292,9 +321,10 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    _hist_kernel[(C, R)](vals, meta, Hist, W, CH=ch, NHIST=NHIST)
+    State = torch.empty(R, 8, dtype=torch.int32, device=dev)
+    _hist_kernel[(C, R)](vals, meta, Hist, State, W, float(mass or 0.0), CH=ch, NHIST=NHIST)
     out = torch.empty(R, kc, dtype=torch.long, device=dev)
-    _radix_passes(vals, meta, Hist, out, W, R, 1, ch, C, kc, False)
+    _radix_passes(vals, meta, Hist, State, out, W, R, 1, ch, C, kc, False)
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
 
 
@@ -307,16 +337,16 @@ def _by_value(sel: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
 
 
 def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
-              method: str = "topk") -> torch.Tensor:
+              method: str = "topk", mass: float | None = None) -> torch.Tensor:
     """Top keys of a chunk of prefill rows: ``buf [B, H, C, W]`` fp32 pooled probabilities (-inf where a key is
     not a candidate), ``counts [B, C]`` (on the device) keys per row, ``kc >= counts.max()`` (a host bound).
     ``-> [B, H, C, kc]`` int64 positions into the buffer, -1 padded; ascending, or with ``ranked`` in descending
     probability. ``method``: "topk" (``torch.topk``) or "radix" (:func:`row_topk`; exact, ties at the threshold to
-    the earliest keys)."""
+    the earliest keys; ``mass``: a bound of a row's sum, as there)."""
     if method == "radix":
         B, H, C, W = buf.shape
         rows = counts.to(torch.int32)[:, None, :].expand(B, H, C).reshape(-1)
-        return row_topk(buf.view(B * H * C, W), rows, kc, ranked=ranked).view(B, H, C, kc)
+        return row_topk(buf.view(B * H * C, W), rows, kc, ranked=ranked, mass=mass).view(B, H, C, kc)
     assert method == "topk", method
     top = buf.topk(kc, dim=-1, sorted=True).indices  # [B, H, C, kc], descending scores
     keep = torch.arange(kc, device=buf.device)[None, None, :] < counts[:, :, None]  # [B, C, kc]
