@@ -259,23 +259,25 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
 
 def pool_parts(q, k, meta, scale, sc, ch):
     """The selection's first kernel alone (pooling over the group, writing the pooled row): without the first radix
-    histogram and with it (one global atomic per key). The rest of a radix selection (two histogram passes, the
-    threshold counts, the ordered write) is select_radix - score_only - pool_atomic."""
+    histogram and with it (exponents counted in registers, one global atomic per bin; before 2026-12-04 one per key:
+    "pool_atomic" in older runs). The rest of a radix selection (the refining passes, the threshold counts, the
+    ordered write) is select_radix - score_only - pool_hist."""
     B, HQ = q.shape[:2]
     H = k.shape[1]
     _, Mx, Ls, Sc, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                            sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
     chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
+    state = torch.empty(B * H, 8, dtype=torch.int32, device=q.device)
 
     def pool(hist):
         Hist.zero_()
         topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
-            Sc, Mx, Ls, meta.tensor, pooled, Hist, meta.n_max, S, H=H, G=HQ // H,
+            Sc, Mx, Ls, meta.tensor, pooled, Hist, state, meta.n_max, S, H=H, G=HQ // H,
             GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
             HIST=hist)
 
-    return {"pool_nohist": bench(lambda: pool(False)), "pool_atomic": bench(lambda: pool(True))}
+    return {"pool_nohist": bench(lambda: pool(False)), "pool_hist": bench(lambda: pool(True))}
 
 
 def tune(dev):
@@ -396,7 +398,7 @@ def main():
             f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
             f"select radix {t['select_radix']:.1f} (find each {t['select_radix_find_each']:.1f}, once "
             f"{t['select_radix_find_once']:.1f}) topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
-            f"pool nohist/atomic {t['pool_nohist']:.1f}/{t['pool_atomic']:.1f} "
+            f"pool nohist/hist {t['pool_nohist']:.1f}/{t['pool_hist']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()
         torch.cuda.empty_cache()

@@ -51,10 +51,17 @@ def _run(tmp_path, model, plan, ranks, length=96):
 
 
 def _check(report, ranks):
+    """Kascade on the sharded model against Kascade on the whole one: fp32 logits within 1e-4, or within 3x of what
+    the sharding alone changes in the dense model (its reductions add in another order: on a 30-layer model that is
+    7e-5 on one CPU and under 1e-5 on another, and a pooled score that moves by such a rounding can swap two keys
+    tied at a row's threshold); greedy tokens equal."""
     assert report["size"] == ranks and report["crossing_links"] > 0
+    dense = report["cases"]["dense"]
+    assert dense["tokens_equal"] and max(dense[k] for k in ("prefill", "chunked", "scores")) < 1e-3, dense
     for name in ("shard-local", "exchange"):
         c = report["cases"][name]
-        assert c["prefill"] < 1e-4 and c["chunked"] < 1e-4 and c["scores"] < 1e-4, (name, c)
+        for k in ("prefill", "chunked", "scores"):
+            assert c[k] < max(1e-4, 3 * dense[k]), (name, k, c, dense)
         assert c["tokens_equal"], name
     assert f"tensor_parallel={ranks}" in report["errors"]["crossing_plan"]
     assert "for_tensor_parallel" in report["errors"]["crossing_plan"]

@@ -17,14 +17,19 @@ import torch.distributed as dist
 
 
 def cases(model, plan, exchange, ids, mask):
-    """Logits of a left-padded prefill, a chunked prefill and greedy tokens, under Kascade."""
+    """Logits of a left-padded prefill, a chunked prefill and greedy tokens, under Kascade (plan None: the model's
+    own attention)."""
+    import contextlib
+
     from transformers import DynamicCache
 
     import kascade
     from kascade.models import cache_kwargs
 
     out = {}
-    with torch.no_grad(), kascade.enable(model, plan, exchange=exchange, warn_uncalibrated=False):
+    routed = contextlib.nullcontext() if plan is None else kascade.enable(model, plan, exchange=exchange,
+                                                                          warn_uncalibrated=False)
+    with torch.no_grad(), routed:
         out["prefill"] = model(ids, attention_mask=mask).logits
         cache = DynamicCache()
         cut = ids.shape[1] * 2 // 3
@@ -60,7 +65,8 @@ def main() -> None:
     mask = torch.ones_like(ids)
     mask[1, :11] = 0  # left padding
     report = {"size": size, "crossing_links": len(plan.crossing_links(size)), "cases": {}}
-    for name, p, exchange in (("shard-local", local, False), ("exchange", plan, True)):
+    # "dense": the same comparison without Kascade, the tensor-parallel rounding alone (reductions in another order)
+    for name, p, exchange in (("dense", None, False), ("shard-local", local, False), ("exchange", plan, True)):
         want, got = cases(whole, p, False, ids, mask), cases(tp_model, p, exchange, ids, mask)
         real = mask.bool()
         report["cases"][name] = {
