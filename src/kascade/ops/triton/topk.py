@@ -2,16 +2,16 @@
 
 * Decode (:func:`select_rows`): one row of pooled probabilities per (sequence, KV head), from the scores and
   softmax statistics the split-K scoring pass wrote. A radix select on the bit pattern of the (non-negative) fp32
-  probabilities: the pooling kernel builds the histogram of the top 12 bits, two passes refine the next 12 and 7
-  bits among the elements sharing the prefix, then an ordered compaction writes every element above the exact
-  threshold and the first ones equal to it, in key order (exact; ties at the threshold go to the earliest keys).
+  probabilities: the pooling kernel builds a histogram of exponents (below), passes refine the mantissa bits among
+  the elements sharing the prefix, then an ordered compaction writes every element above the exact threshold and
+  the first ones equal to it, in key order (exact; ties at the threshold go to the earliest keys).
 * Prefill (:func:`tile_topk`): the rows of a chunk of tiles, over the chunk's score buffer: the same radix select
   as decode (``method="radix"``, :func:`row_topk`: a histogram pass over the rows, then the decode passes with one
   row per "sequence"; what :func:`kascade.ops.triton.prefill.select_prefill` uses by default), or ``torch.topk``
   (``method="topk"``).
 
-The histograms are counted with one global atomic per key; between the passes, with many programs, a program per
-row finds the bin holding the row's k-th element (FIND_ONCE_PROGRAMS).
+Between the passes, with many programs, a program per row finds the bin holding the row's k-th element
+(FIND_ONCE_PROGRAMS).
 
 Kernels and launchers only: they assert, they do not validate.
 """
@@ -29,11 +29,12 @@ import triton.language as tl
 # registers (tl.histogram of 64 bins) and added with one atomic per bin, not one per key. Two passes then refine 12
 # and 11 bits of the mantissa among the keys sharing the prefix. When the k-th key falls outside the window (a
 # rare, extremely peaked row, or no bound given) a fallback path radixes the whole pattern instead (12 + 12 + 7
-# bits, one atomic per matching key); a third refining pass does nothing otherwise.
+# bits, one atomic per matching key); a third refining pass does nothing otherwise. H200, B=32, N=128K: the first
+# histogram costs 24 us this way, 451 us with one atomic per key of a 12-bit histogram; slower still were sorting each
+# chunk's bins, warp-aggregated atomics (match.any) and tl.histogram with 4096 bins (docs/benchmarks/decode.md).
 _NB1 = 64  # first (relative exponent) histogram
 _NBR = 4096  # each refining histogram
 NHIST = _NB1 + 3 * _NBR  # histogram bins per row (the scoring pass zeroes them)
-_BIG_EXP = 318  # an exponent bound above every key: every key in bin 0, the fallback path
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
 # The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
@@ -65,7 +66,7 @@ def _bound_exp(mass, kk):
     a factor 4 of margin for rounding; mass <= 0: no bound (every key in the first histogram's bin 0)."""
     bound = mass / tl.maximum(kk, 1).to(tl.float32)
     e = ((bound.to(tl.int32, bitcast=True) >> 23) & 255) + 2
-    return tl.where(mass > 0, e, 318)
+    return tl.where(mass > 0, e, 318)  # 318: above every exponent (255) by the window's 63: all keys in bin 0
 
 
 @triton.jit
