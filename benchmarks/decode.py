@@ -268,12 +268,11 @@ def pool_parts(q, k, meta, scale, sc, ch):
                                            sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
     chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
-    state = torch.empty(B * H, 8, dtype=torch.int32, device=q.device)
 
     def pool(hist):
         Hist.zero_()
         topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
-            Sc, Mx, Ls, meta.tensor, pooled, Hist, state, meta.n_max, S, H=H, G=HQ // H,
+            Sc, Mx, Ls, meta.tensor, pooled, Hist, meta.n_max, S, H=H, G=HQ // H,
             GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
             HIST=hist)
 

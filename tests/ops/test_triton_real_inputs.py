@@ -7,12 +7,12 @@ below a bound of the k-th value) meets its fallback path.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from kascade.budget import Budget  # noqa: E402
 from kascade.integration.hf import attach  # noqa: E402
+from kascade.integration.runtime import DenseRuntime  # noqa: E402
 from kascade.ops import reference  # noqa: E402
 from kascade.ops.triton import decode as td  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
@@ -26,19 +26,18 @@ LENGTH = 288  # 18 tiles of 16
 BUDGET = Budget(ratio=0.1, k_min=32, tile=16)  # every tile after the first keeps 16 of its earlier keys
 
 
-class _Capture:
-    """An attention runtime for ``attach``: dense causal attention, keeping the queries and keys of LAYERS."""
+class _Capture(DenseRuntime):
+    """The dense runtime (reference geometry, on the CPU), keeping the queries and keys of LAYERS."""
+
+    backend = "reference"
 
     def __init__(self):
         self.qk = {}
 
-    def begin(self, q, k, kv_start, q_offset):
-        return None
-
-    def attend(self, layer, q, k, v, state, scale):
+    def attend(self, layer, q, k, v, fs, scale):
         if layer in LAYERS:
             self.qk[layer] = (q.detach().clone(), k.detach().clone())
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+        return super().attend(layer, q, k, v, fs, scale)
 
 
 @pytest.fixture(scope="module")

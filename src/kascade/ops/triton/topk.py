@@ -32,9 +32,9 @@ import triton.language as tl
 # bits, one atomic per matching key); a third refining pass does nothing otherwise. H200, B=32, N=128K: the first
 # histogram costs 24 us this way, 451 us with one atomic per key of a 12-bit histogram; slower still were sorting each
 # chunk's bins, warp-aggregated atomics (match.any) and tl.histogram with 4096 bins (docs/benchmarks/decode.md).
-_NB1 = 64  # first (relative exponent) histogram
-_NBR = 4096  # each refining histogram
-NHIST = _NB1 + 3 * _NBR  # histogram bins per row (the scoring pass zeroes them)
+# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's 64, then
+# three refining histograms of 4096.
+NHIST = 64 + 3 * 4096
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
 # The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
@@ -81,7 +81,7 @@ def _first_histogram(Hrow, key, ok, e_hi, CH: tl.constexpr):
 
 
 @triton.jit
-def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
+def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
                  CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
@@ -112,12 +112,11 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
     tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
     if HIST:
         e_hi = _bound_exp(tl.full([], G, tl.float32), tl.load(Meta + b * 4 + 2))  # a row's probabilities sum to G
-        tl.store(State + row * 8 + 3, e_hi)  # (every program of the row stores the same value)
         _first_histogram(Hist + row * NHIST, p.to(tl.int32, bitcast=True), pm, e_hi, CH)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, sc_row, mass, CH: tl.constexpr, NHIST: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
     rows that come without a pooling pass (prefill's score buffer); a row's values sum to at most ``mass`` (<= 0:
     no bound)."""
@@ -125,7 +124,6 @@ def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST:
     row = tl.program_id(1)
     n = tl.load(Meta + row * 4 + 1)
     e_hi = _bound_exp(mass, tl.load(Meta + row * 4 + 2))
-    tl.store(State + row * 8 + 3, e_hi)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
@@ -133,18 +131,18 @@ def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST:
 
 
 @triton.jit
-def _find_level(Meta, Hist, State, row, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
     """The bin search before pass LEVEL (2-4: refining, 5: threshold counts), from the histogram of the pass
     before, into ``State`` (per row, 8 int32: two sets of (prefix, its number of known bits from bit 30 down, how
-    many keys equal to it are still needed) at 0 and 4, the first histogram's exponent bound at 3). LEVEL writes set
-    LEVEL % 2 and reads the other, so that programs searching in one launch never read what another one writes.
-    After LEVEL 5 (set 1) the prefix is the exact threshold. Returns (prefix, known bits)."""
+    many keys equal to it are still needed) at 0 and 4). LEVEL writes set LEVEL % 2 and reads the other, so that
+    programs searching in one launch never read what another one writes. After LEVEL 5 (set 1) the prefix is the
+    exact threshold. ``mass``: the bound the first histogram was counted under. Returns (prefix, known bits)."""
     hrow = Hist + row * NHIST
     rd = State + row * 8 + 4 * ((LEVEL + 1) % 2)
     wr = State + row * 8 + 4 * (LEVEL % 2)
     if LEVEL == 2:
         kk = tl.load(Meta + (row // H) * 4 + 2)
-        e_hi = tl.load(State + row * 8 + 3)
+        e_hi = _bound_exp(mass, kk)
         sel, r = _find_bin(hrow, kk, 64)
         inside = (sel > 0) & (sel < 63)  # one exponent: the 8 bits after the sign are known
         prefix = tl.where(inside, e_hi - 63 + sel, 0)
@@ -167,13 +165,13 @@ def _find_level(Meta, Hist, State, row, H: tl.constexpr, NHIST: tl.constexpr, LE
 
 
 @triton.jit
-def _find_kernel(Meta, Hist, State, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
+def _find_kernel(Meta, Hist, State, mass, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
     """:func:`_find_level` once per row (with many programs: FIND_ONCE_PROGRAMS)."""
-    _find_level(Meta, Hist, State, tl.program_id(0), H, NHIST, LEVEL)
+    _find_level(Meta, Hist, State, mass, tl.program_id(0), H, NHIST, LEVEL)
 
 
 @triton.jit
-def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
+def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
                   H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr,
                   FOUND: tl.constexpr):
     """LEVEL 2-4: histogram of the next (up to 12) bits among the keys that share the prefix found so far (none
@@ -188,7 +186,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C,
         prefix = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 0)
         known = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 1)
     else:  # (the bin search reads State written by the previous level's launch, never by this one)
-        prefix, known = _find_level(Meta, Hist, State, row, H, NHIST, LEVEL)
+        prefix, known = _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
     if LEVEL < 5:
@@ -246,16 +244,18 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, State, out, sc_row, rows, H, ch, C, KMAX, paged):
-    """After the first histogram: the refining passes, the per-chunk counts at the exact threshold and the ordered
-    write of each row's top keys into ``out`` (``rows`` rows of ``KMAX`` slots)."""
+def _radix_passes(vals, meta, Hist, mass, out, sc_row, rows, H, ch, C, KMAX, paged):
+    """After the first histogram (counted under the bound ``mass``): the refining passes, the per-chunk counts at
+    the exact threshold and the ordered write of each row's top keys into ``out`` (``rows`` rows of ``KMAX``
+    slots)."""
+    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device)
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     once = rows * C >= FIND_ONCE_PROGRAMS
     for level in (2, 3, 4, 5):
         if once:
-            _find_kernel[(rows,)](meta, Hist, State, H=H, NHIST=NHIST, LEVEL=level)
-        _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, H=H, CH=ch, NHIST=NHIST, LEVEL=level,
-                                 FOUND=once)
+            _find_kernel[(rows,)](meta, Hist, State, mass, H=H, NHIST=NHIST, LEVEL=level)
+        _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
+                                 LEVEL=level, FOUND=once)
     _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, H=H, CH=ch,
                              C_PAD=triton.next_power_of_2(C), PAGED=paged)
 
@@ -277,13 +277,13 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
     radix = method == "radix"
-    State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
-    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
+    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
                             HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
-        _radix_passes(Pooled, meta.tensor, Hist, State, indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
+        # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
+        _radix_passes(Pooled, meta.tensor, Hist, float(G), indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
         if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
@@ -322,10 +322,10 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    State = torch.empty(R, 8, dtype=torch.int32, device=dev)
-    _hist_kernel[(C, R)](vals, meta, Hist, State, W, float(mass or 0.0), CH=ch, NHIST=NHIST)
+    bound = float(mass or 0.0)
+    _hist_kernel[(C, R)](vals, meta, Hist, W, bound, CH=ch, NHIST=NHIST)
     out = torch.empty(R, kc, dtype=torch.long, device=dev)
-    _radix_passes(vals, meta, Hist, State, out, W, R, 1, ch, C, kc, False)
+    _radix_passes(vals, meta, Hist, bound, out, W, R, 1, ch, C, kc, False)
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
 
 
