@@ -203,6 +203,10 @@ def measure(name, HQ, H, D, N, flex):
     row["select_given_lse_radix_find_each"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                              method="radix"))
     topk.FIND_ONCE_PROGRAMS = once
+    tp.TOPK_BOUND = False  # the radix top-k without the exponent window (every pass over the whole pattern)
+    row["select_given_lse_radix_nobound"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                           method="radix"))
+    tp.TOPK_BOUND = True
     row["anchor_topk"] = bench(lambda: tp.sparse_prefill(
         q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="topk"), scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20

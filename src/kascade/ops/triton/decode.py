@@ -169,22 +169,45 @@ def _gp(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
-def _default_config(D: int, sparse: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per SM): the fastest of a sweep on an H200 (Llama shapes, B 1-32,
-    N 32K-128K; benchmarks/decode.py, docs/benchmarks/decode_run1_tlhistogram.json)."""
-    if sparse:
-        return (64 if D <= 128 else 32), 4, 3, 4
-    return 32, 4, 3, 2
+# Launch configuration of each pass of the split-K kernel: (BLOCK_N at D <= 128, num_warps, num_stages, programs
+# per multiprocessor). From a per-shape sweep on an H200 (benchmarks/decode_configs.py, Llama and default-model
+# shapes, B 1-32, N 32K-128K; docs/benchmarks/decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes
+# per pipeline stage; not swept).
+#   dense:        the plain dense decode (our baseline; the SDPA kernel is usually the faster).
+#   score:        the anchor's scoring pass (K only, writes the G score rows): 128-key blocks keep enough bytes in
+#                 flight; 27-32 % faster than the dense pass's (32, 4, 3) at B = 1-8.
+#   dense_scores: layer 0 (dense output + score rows).
+#   sparse:       the reuse pass over gathered rows.
+PASS_CONFIG = {
+    "dense": (32, 4, 3, 2),
+    "score": (128, 4, 3, 2),
+    "dense_scores": (64, 4, 3, 2),
+    "sparse": (64, 4, 3, 3),
+}
+# Before 2026-12-04 every pass took (32, 4, 3, 2) and the sparse pass (64, 4, 3, 4), programs per SM rounded up.
+PROGRAMS_PER_SM = 4  # the sparse pass once the rows alone fill the GPU
 
 
-# Split-K aims at this many programs per multiprocessor (the benchmark sweeps it).
-PROGRAMS_PER_SM = 4
+def _default_config(D: int, kind: str) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM) of one pass (:data:`PASS_CONFIG`)."""
+    bn, nw, ns, ppsm = PASS_CONFIG[kind]
+    if D > 128 and kind != "dense":
+        bn //= 2
+    return bn, nw, ns, ppsm
 
 
-def _splits(rows: int, n: int, block_n: int, device, num_splits=None, programs_per_sm=None) -> tuple[int, int]:
-    """(splits, keys per split): enough programs to fill the GPU, each a whole number of blocks."""
+def _splits(rows: int, n: int, block_n: int, device, num_splits=None, programs_per_sm=None, kind="dense"):
+    """(splits, keys per split), each split a whole number of blocks. By default as many splits as make about
+    ``programs_per_sm`` programs per multiprocessor *without going over* (a second, partly filled wave of programs
+    cost up to 30 % in the sweep), except the sparse pass once the rows alone fill the GPU, which wants more
+    programs than that (:data:`PROGRAMS_PER_SM`, rounded up; 426 against 502 us at B = 32, 128K)."""
     if num_splits is None:
-        want = max(1, triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * num_sms(device), rows))
+        ppsm = programs_per_sm or PASS_CONFIG[kind][3]
+        sms = num_sms(device)
+        if kind == "sparse" and rows >= sms and programs_per_sm is None:
+            want = triton.cdiv(PROGRAMS_PER_SM * sms, rows)
+        else:
+            want = max(1, ppsm * sms // rows)
         num_splits = max(1, min(want, triton.cdiv(n, 2 * block_n)))
     per = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
     return triton.cdiv(n, per), per
@@ -212,14 +235,14 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
-    bn, nw, ns, ppsm = _default_config(D, sparse)
+    kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
+    bn, nw, ns, _ = _default_config(D, kind)
     bn = block_n or bn
     nw = num_warps or nw
     num_stages = num_stages or ns
-    programs_per_sm = programs_per_sm or ppsm
     if interpreting():
         num_stages = None
-    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm)
+    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm, kind)
     direct = S == 1
     f32, rne = flags(q)
     ks, vs, page = _kv_args(k, v if v is not None else k, block_table)

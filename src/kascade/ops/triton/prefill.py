@@ -366,6 +366,12 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
     return M, triton.cdiv(G * T, M)
 
 
+# The radix top-k's first histogram counts exponents under a bound of each row's k-th value (a row pools G x T
+# queries' probabilities, so it sums to at most G x T); False: the whole bit pattern from the top, no bound
+# (benchmarks/prefill.py times both).
+TOPK_BOUND = True
+
+
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
                    num_stages=None, method="radix", _scores_only=False, **lse_cfg) -> Selection:
@@ -469,7 +475,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 r0 = r1
                 continue
             top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
-                                 mass=G * T)  # a row pools G x T queries' probabilities
+                                 mass=G * T if TOPK_BOUND else None)  # a row pools G x T queries' probabilities
             del buf
             indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
             del top

@@ -23,18 +23,24 @@ import triton
 import triton.language as tl
 
 # Radix selection on the bit pattern of the (non-negative) fp32 values (pooled probabilities). The first
-# histogram counts exponents only, relative to an upper bound of the k-th largest value (a row's values sum to at
-# most ``mass``, so its k-th largest is at most mass / k): 62 bins of one exponent each below the bound's exponent,
-# one for everything above (fewer than k keys), one for everything far below; it is counted per program in
-# registers (tl.histogram of 64 bins) and added with one atomic per bin, not one per key. Two passes then refine 12
-# and 11 bits of the mantissa among the keys sharing the prefix. When the k-th key falls outside the window (a
-# rare, extremely peaked row, or no bound given) a fallback path radixes the whole pattern instead (12 + 12 + 7
-# bits, one atomic per matching key); a third refining pass does nothing otherwise. H200, B=32, N=128K: the first
-# histogram costs 24 us this way, 451 us with one atomic per key of a 12-bit histogram; slower still were sorting each
-# chunk's bins, warp-aggregated atomics (match.any) and tl.histogram with 4096 bins (docs/benchmarks/decode.md).
-# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's 64, then
+# histogram counts the exponent and the top FIRST_BITS mantissa bits, relative to an upper bound of the k-th largest
+# value (a row's values sum to at most ``mass``, so its k-th largest is at most mass / k): FIRST_BINS - 2 bins of a
+# 2**-FIRST_BITS octave each below the bound, one for everything above (fewer than k keys), one for everything far
+# below (63 octaves down); it is counted per program in registers (tl.histogram) and added with one atomic per
+# non-empty bin, not one per key. Two passes then refine 12 and 11 - FIRST_BITS bits of the mantissa among the keys
+# sharing the prefix (one atomic per such key: the finer the first histogram, the fewer). When the k-th key falls
+# outside the window (a rare, extremely peaked row, or no bound given) a fallback path radixes the whole pattern
+# instead (12 + 12 + 7 bits, one atomic per matching key); a third refining pass does nothing otherwise. H200,
+# B=32, N=128K: the first histogram (exponents only) costs 24 us this way, 451 us with one atomic per key of a
+# 12-bit histogram; slower still were sorting each chunk's bins, warp-aggregated atomics (match.any) and
+# tl.histogram with 4096 bins (docs/benchmarks/decode.md).
+FIRST_BITS = 2
+FIRST_BINS = 64 << FIRST_BITS
+# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's, then
 # three refining histograms of 4096.
-NHIST = 64 + 3 * 4096
+NHIST = FIRST_BINS + 3 * 4096
+_FB = tl.constexpr(FIRST_BITS)  # the kernels' copies (a kernel reads only constexpr globals)
+_NB = tl.constexpr(FIRST_BINS)
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
 # The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
@@ -66,16 +72,18 @@ def _bound_exp(mass, kk):
     a factor 4 of margin for rounding; mass <= 0: no bound (every key in the first histogram's bin 0)."""
     bound = mass / tl.maximum(kk, 1).to(tl.float32)
     e = ((bound.to(tl.int32, bitcast=True) >> 23) & 255) + 2
-    return tl.where(mass > 0, e, 318)  # 318: above every exponent (255) by the window's 63: all keys in bin 0
+    return tl.where(mass > 0, e, 320)  # 320: above every exponent (255) by more than the window: all keys in bin 0
 
 
 @triton.jit
 def _first_histogram(Hrow, key, ok, e_hi, CH: tl.constexpr):
-    """The first histogram of a chunk's keys (int32 bit patterns of values >= 0, where ``ok``): bin 63 for exponents
-    >= e_hi, 62 - i for exponent e_hi - 1 - i (i < 62), 0 below; one atomic per non-empty bin."""
-    b = tl.minimum(tl.maximum((key >> 23) - e_hi + 63, 0), 63)
-    h = tl.histogram(tl.where(ok, b, 0), 64)
-    offs = tl.arange(0, 64)
+    """The first histogram of a chunk's keys (int32 bit patterns of values >= 0, where ``ok``), on their top
+    ``8 + FIRST_BITS`` bits ``v`` (exponent and leading mantissa bits) against ``v_hi = e_hi << FIRST_BITS``: the
+    last bin for ``v >= v_hi``, bin ``NB - 2 - i`` for ``v = v_hi - 1 - i`` (``i < NB - 2``), 0 below; one atomic
+    per non-empty bin."""
+    b = tl.minimum(tl.maximum((key >> (23 - _FB)) - (e_hi << _FB) + _NB - 1, 0), _NB - 1)
+    h = tl.histogram(tl.where(ok, b, 0), _NB)
+    offs = tl.arange(0, _NB)
     h = tl.where(offs == 0, h - (CH - tl.sum(ok.to(tl.int32), 0)), h)  # the keys that are not: counted in bin 0
     tl.atomic_add(Hrow + offs, h, mask=h > 0, sem="relaxed")
 
@@ -143,10 +151,10 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
     if LEVEL == 2:
         kk = tl.load(Meta + (row // H) * 4 + 2)
         e_hi = _bound_exp(mass, kk)
-        sel, r = _find_bin(hrow, kk, 64)
-        inside = (sel > 0) & (sel < 63)  # one exponent: the 8 bits after the sign are known
-        prefix = tl.where(inside, e_hi - 63 + sel, 0)
-        known = tl.where(inside, 8, 0)  # else the fallback: the whole pattern from the top, every key again
+        sel, r = _find_bin(hrow, kk, _NB)
+        inside = (sel > 0) & (sel < _NB - 1)  # the 8 exponent bits and FIRST_BITS mantissa bits are known
+        prefix = tl.where(inside, (e_hi << _FB) - (_NB - 1) + sel, 0)
+        known = tl.where(inside, 8 + _FB, 0)  # else the fallback: the whole pattern from the top, every key
         r = tl.where(inside, r, kk)
     else:
         prefix = tl.load(rd + 0)
@@ -154,7 +162,7 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
         r = tl.load(rd + 2)
         if known < 31:
             bits = tl.minimum(12, 31 - known)
-            sel, r2 = _find_bin(hrow + 64 + (LEVEL - 3) * 4096, r, 4096)
+            sel, r2 = _find_bin(hrow + _NB + (LEVEL - 3) * 4096, r, 4096)
             prefix = (prefix << bits) | sel
             known = known + bits
             r = r2
@@ -195,7 +203,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
             bits = tl.minimum(12, 31 - known)
             match = pm & ((key >> (31 - known)) == prefix)  # known = 0: every key >= 0 (a negative one is no key)
             digit = (key >> (31 - known - bits)) & ((1 << bits) - 1)
-            tl.atomic_add(Hist + row * NHIST + 64 + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
+            tl.atomic_add(Hist + row * NHIST + _NB + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
                           mask=match, sem="relaxed")
     else:
         key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)

@@ -1,0 +1,138 @@
+"""Per-shape launch sweep of the decode split-K kernel (one GPU call): which (BLOCK_N, warps, stages, splits) each
+shape wants, for the anchor's scoring pass, the sparse (reuse) pass and the dense / layer-0 pass.
+
+    python benchmarks/decode_configs.py [--out DIR] [--only model:B:N,...] [--budget-s 300]
+
+`benchmarks/decode.py --tune` picks the one configuration that is best summed over three shapes; this sweeps each
+shape on its own, the number of splits included (the programs launched against what fits on the GPU at once), so
+that the launchers can choose per shape (:func:`kascade.ops.triton.decode.launch_config`). For every shape and
+pass: the time of the current launch choice, the best found, and the full grid. Also the split kernel's merge alone
+(what a fused merge could save) and the graph replay of an empty kernel (the floor of one launch).
+
+Timing as in decode.py: the op captured in a CUDA graph, replay timed by do_bench (median), L2 flushed.
+Writes decode_configs.json under --out (default docs/benchmarks/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from kascade.ops.triton import decode as td
+
+from decode import BUDGET, MODELS, graphed, log, make  # noqa: E402  (run from benchmarks/)
+
+SHAPES = ("llama-3.1-8b:1:32768,llama-3.1-8b:1:131072,llama-3.1-8b:8:32768,llama-3.1-8b:8:131072,"
+          "llama-3.1-8b:32:131072,smollm2-135m:1:131072,smollm2-135m:8:32768")
+
+
+def bench(fn):
+    g = graphed(fn)
+    return do_bench(g, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+@triton.jit
+def _empty(X):
+    pass
+
+
+def split_grid(rows: int, n: int, bn: int, sms: int) -> list[int]:
+    """Splits that put about 0.5 .. 8 programs per multiprocessor, each at least two blocks of keys."""
+    cap = max(1, n // (2 * bn))
+    return sorted({min(cap, max(1, round(c * sms / rows))) for c in (0.5, 1, 2, 3, 4, 8)})
+
+
+PASSES = {
+    # name: (has_v, write_scores, sparse)
+    "score": (False, True, False),
+    "sparse": (True, False, True),
+    "dense_scores": (True, True, False),  # layer 0 (dense output + the selection's score rows)
+}
+CONFIGS = {
+    "score": [(bn, nw, ns) for bn in (32, 64, 128) for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3))],
+    "sparse": [(16, 4, 3)] + [(bn, nw, ns) for bn in (32, 64, 128) for nw, ns in ((4, 2), (4, 3), (8, 2))],
+    "dense_scores": [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3)],
+}
+
+
+def run_pass(name, q, k, v, meta, idx, **cfg):
+    has_v, write_scores, sparse = PASSES[name]
+    if sparse:
+        return td.sparse_decode(q, k, v, idx, scale=0.1, **cfg)
+    return td._run_split(q, k, v if has_v else None, None, meta, None, None, scale=0.1, n_keys=meta.n_max,
+                         sparse=False, has_v=has_v, write_scores=write_scores, sc_row=meta.n_max if write_scores else 0,
+                         **cfg)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=SHAPES, help="comma list of model:B:N")
+    ap.add_argument("--passes", default="score,sparse,dense_scores")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="sweeping time, shared out among shapes and passes")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out_dir = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    x = torch.zeros(1, device=dev)
+    result = {"header": {"gpu": torch.cuda.get_device_name(dev), "sms": sms, "torch": torch.__version__,
+                         "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},
+              "empty_kernel_us": bench(lambda: _empty[(1,)](x)), "shapes": []}
+    log(f"# {result['header']}; empty kernel graph replay {result['empty_kernel_us']:.2f} us")
+    specs = args.only.split(",")
+    passes = args.passes.split(",")
+    for spec in specs:
+        model, B, N = spec.split(":")
+        B, N = int(B), int(N)
+        HQ, H, D = MODELS[model]
+        q, k, v = make(B, HQ, H, N, D, dev)
+        meta = td.decode_meta(B, device=dev, q_offset=N - 1, budget=BUDGET)
+        idx = td.select_decode(q, k, budget=BUDGET, scale=0.1, meta=meta, index_dtype=torch.int32).indices
+        row = {"model": model, "B": B, "N": N, "passes": {}}
+        for name in passes:
+            t_end = time.time() + args.budget_s / (len(specs) * len(passes))
+            n_keys = idx.shape[-1] if PASSES[name][2] else meta.n_max
+            cur = bench(lambda: run_pass(name, q, k, v, meta, idx))
+            grid = []
+            for bn, nw, ns in CONFIGS[name]:
+                if time.time() > t_end:
+                    break
+                for S in split_grid(B * H, n_keys, bn, sms):
+                    c = dict(block_n=bn, num_warps=nw, num_stages=ns, num_splits=S)
+                    try:
+                        us = bench(lambda: run_pass(name, q, k, v, meta, idx, **c))
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
+                        log(f"  {name} {c}: {type(e).__name__}")
+                        continue
+                    grid.append({**c, "us": us})
+            best = min(grid, key=lambda r: r["us"]) if grid else None
+            row["passes"][name] = {"current_us": cur, "best": best, "grid": grid}
+            log(f"{model} B={B} N={N} {name}: current {cur:.1f} us, best {best}")
+        # the merge alone at the current sparse launch
+        S, _ = td._splits(B * H, idx.shape[-1], td._default_config(D, "sparse")[0], dev, kind="sparse")
+        if S > 1:
+            Acc = torch.randn(B, HQ, S, D, device=dev)
+            Mx = torch.randn(B, HQ, S, device=dev)
+            Ls = torch.rand(B, HQ, S, device=dev) + 0.5
+            o = torch.empty_like(q)
+            row["merge_us"] = bench(lambda: td._merge_kernel[(HQ, B)](
+                o, Acc, Mx, Ls, o.stride(0), o.stride(1), S, HQ=HQ, D=D, S_PAD=triton.next_power_of_2(S), RNE=False))
+            row["merge_splits"] = S
+            log(f"  merge alone (S={S}): {row['merge_us']:.1f} us")
+        result["shapes"].append(row)
+        (out_dir / "decode_configs.json").write_text(json.dumps(result, indent=1))
+        del q, k, v, idx
+        torch.cuda.empty_cache()
+    (out_dir / "decode_configs.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Run one decode pass a few times, for Nsight Compute to read its hardware counters (GPU machine).
+
+    ncu --clock-control none -k regex:_split_kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \\
+        python3 benchmarks/ncu_decode.py sparse 8 32768
+
+PASS is "sparse" (a reuse layer), "score" (an anchor's scoring pass) or "dense"; Llama-3.1-8B shapes (32 query
+heads, 8 KV heads, D = 128), bf16, 10 % budget, launches as the library makes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kascade.budget import Budget
+from kascade.ops.triton import decode as td
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("pass_", metavar="PASS", choices=("sparse", "score", "dense"))
+    ap.add_argument("B", type=int)
+    ap.add_argument("N", type=int)
+    ap.add_argument("--repeat", type=int, default=4)
+    args = ap.parse_args()
+    B, N, HQ, H, D = args.B, args.N, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, HQ, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    budget = Budget(ratio=0.1, k_min=128)
+    meta = td.decode_meta(B, device=q.device, q_offset=N - 1, budget=budget)
+    idx = td.select_decode(q, k, budget=budget, scale=D**-0.5, meta=meta, index_dtype=torch.int32).indices
+    for _ in range(args.repeat):
+        if args.pass_ == "sparse":
+            td.sparse_decode(q, k, v, idx, scale=D**-0.5)
+        elif args.pass_ == "score":
+            td.select_decode(q, k, budget=budget, scale=D**-0.5, meta=meta)
+        else:
+            td.dense_decode(q, k, v, scale=D**-0.5, meta=meta)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
