@@ -1,0 +1,109 @@
+"""Compile every Triton kernel of kascade for an H100 / H200 (sm_90) on this machine, no GPU needed.
+
+    TRITON_INTERPRET=0 python tests/ops/compile_sm90.py   ->  one JSON line per kernel variant
+
+The interpreter that runs the kernel tests on CPUs accepts code that the GPU compiler refuses (a kernel reading a
+plain Python global, say), and shared memory only runs out on the device; this compiles each kernel as the
+launchers configure it, through Triton's real front end and NVIDIA back end (ptxas included), and reports the
+shared memory per program (as this machine's Triton lays it out: the GPU machine's Triton may differ).
+tests/ops/test_triton_compiles.py runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling needs TRITON_INTERPRET unset"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kascade.ops.triton import decode as td  # noqa: E402
+from kascade.ops.triton import prefill as tp  # noqa: E402
+from kascade.ops.triton import topk  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BF16, I32, I64, F32 = "*bf16", "*i32", "*i64", "*fp32"
+# Pointer arguments by name (others that start with a capital letter are fp32 buffers); scalar arguments are int32
+# unless named here.
+POINTERS = {"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Idx": I32, "Cnt": I32, "Meta": I32, "BT": I32,
+            "Hist": I32, "Done": I32, "State": I32, "KvStart": I32, "RowStart": I32, "Vals": F32}
+SCALARS = {"qk_scale": "fp32", "mass": "fp32", "S": "i32", "C": "i32", "KMAX": "i32", "L": "i32", "W": "i32"}
+
+
+def variants():
+    """(name, kernel, constexprs, num_warps, num_stages, types) as the launchers make them (Llama shapes: G = 4,
+    D = 128; the default model's: G = 3, D = 64)."""
+    for D, G in ((128, 4), (64, 3)):
+        base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
+                    HAS_CNT=False, FUSED=False, GQ=triton.next_power_of_2(G), S_BLK=16)
+        for kind, flags in (("score", dict(SPARSE=False, HAS_V=False, WRITE_SCORES=True, DIRECT=False)),
+                            ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False,
+                                                  FUSED=True)),
+                            ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False, FUSED=True)),
+                            ("sparse", dict(SPARSE=True, HAS_V=True, WRITE_SCORES=False, DIRECT=False, FUSED=True))):
+            bn, nw, ns, _ = td._default_config(D, kind)
+            yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn}, nw, ns
+        yield (f"decode sparse paged unfused D{D}", td._split_kernel,
+               {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
+                "PAGE": 16, "HAS_CNT": True, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
+        yield f"decode merge D{D}", td._merge_kernel, dict(HQ=32, D=D, S_PAD=64, RNE=False), 4, 3
+        T = 32
+        M, NSUB = tp._tile_rows(G, T)
+        M0, bn, nw, ns = tp._dense_config(G, D, True)
+        BQ, Mr = tp._rows(G, M0)
+        yield (f"prefill dense D{D}", tp._dense_kernel,
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+        M0, bn, nw, ns = tp._dense_config(G, D, False)
+        BQ, Mr = tp._rows(G, M0)
+        yield (f"prefill lse D{D}", tp._dense_kernel,
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+        yield (f"prefill score D{D}", tp._score_kernel,
+               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False), 4,
+               1 if NSUB > 1 and D > 64 else 3)
+        M, NRB = tp._tile_rows(G, T)
+        yield (f"prefill sparse D{D}", tp._sparse_kernel,
+               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=64, MAXB=256, F32=False, RNE=False, HAS_CNT=True),
+               4, 3)
+    ch = topk.SELECT_CHUNK
+    yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
+    yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3
+    for level in (2, 3, 5):
+        yield f"topk find L{level}", topk._find_kernel, dict(H=8, NHIST=topk.NHIST, LEVEL=level), 4, 3
+        yield (f"topk radix L{level}", topk._radix_kernel,
+               dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level, FOUND=level == 3), 4, 3)
+    yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
+
+
+def main():
+    only = sys.argv[1:]
+    for name, fn, consts, nw, ns in variants():
+        if only and not any(o in name for o in only):
+            continue
+        sig = {}
+        for a in fn.arg_names:
+            if a in consts:
+                sig[a] = "constexpr"
+            elif a in SCALARS:
+                sig[a] = SCALARS[a]
+            elif a[0].isupper():
+                sig[a] = POINTERS.get(a, F32)
+            else:
+                sig[a] = "i32"
+        if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
+            sig["Idx"] = I64 if ("unfused" in name or name.startswith("prefill")) else I32
+        row = {"kernel": name}
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET,
+                               options={"num_warps": nw, "num_stages": ns})
+            row.update(ok=True, shared=k.metadata.shared, num_warps=nw, num_stages=ns)
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
