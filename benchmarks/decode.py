@@ -202,10 +202,6 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["dense"] = min(t["sdpa"], t["dense_ours"])
     t["reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
     t["reuse_int32"] = bench(lambda: td.sparse_decode(q, k, v, idx32, scale=scale, out=out, **rc))
-    # the split partials merged by a merge launch instead of by the last program of each group (td.FUSED_MERGE)
-    td.FUSED_MERGE = False
-    t["reuse_merge_kernel"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
-    td.FUSED_MERGE = True
     t["score_only"] = bench(lambda: td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                                   sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max,
                                                   **sc))
@@ -402,7 +398,6 @@ def main():
             f"select radix {t['select_radix']:.1f} (find each {t['select_radix_find_each']:.1f}, once "
             f"{t['select_radix_find_once']:.1f}) topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
             f"pool nohist/hist {t['pool_nohist']:.1f}/{t['pool_hist']:.1f} "
-            f"reuse with a merge launch {t['reuse_merge_kernel']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()
         torch.cuda.empty_cache()

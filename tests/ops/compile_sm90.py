@@ -39,15 +39,14 @@ def variants():
     D = 128; the default model's: G = 3, D = 64)."""
     for D, G in ((128, 4), (64, 3)):
         base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
-                    HAS_CNT=False, FUSED=False, GQ=triton.next_power_of_2(G), S_BLK=16)
+                    HAS_CNT=False)
         for kind, flags in (("score", dict(SPARSE=False, HAS_V=False, WRITE_SCORES=True, DIRECT=False)),
-                            ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False,
-                                                  FUSED=True)),
-                            ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False, FUSED=True)),
-                            ("sparse", dict(SPARSE=True, HAS_V=True, WRITE_SCORES=False, DIRECT=False, FUSED=True))):
+                            ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False)),
+                            ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False)),
+                            ("sparse", dict(SPARSE=True, HAS_V=True, WRITE_SCORES=False, DIRECT=False))):
             bn, nw, ns, _ = td._default_config(D, kind)
             yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn}, nw, ns
-        yield (f"decode sparse paged unfused D{D}", td._split_kernel,
+        yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
                 "PAGE": 16, "HAS_CNT": True, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
         yield f"decode merge D{D}", td._merge_kernel, dict(HQ=32, D=D, S_PAD=64, RNE=False), 4, 3
@@ -94,7 +93,7 @@ def main():
             else:
                 sig[a] = "i32"
         if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
-            sig["Idx"] = I64 if ("unfused" in name or name.startswith("prefill")) else I32
+            sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
         row = {"kernel": name}
         try:
             k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET,

@@ -124,29 +124,6 @@ def test_decode_kernels_match_reference(case):
     check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["last-program-merges", "merge-kernel"])
-@pytest.mark.parametrize("G,D,S", [(4, 128, 7), (16, 256, 5), (3, 64, 2)])
-def test_split_partials_merge_in_the_last_program_or_in_a_merge_kernel(G, D, S, fused, monkeypatch):
-    """The split-K partials of dense and sparse decode merged by the last program of each group to finish
-    (td.FUSED_MERGE, the default) or by a merge launch; S_BLK < S (G = 16, D = 256: two splits at a time) merges
-    over several blocks of splits."""
-    monkeypatch.setattr(td, "FUSED_MERGE", fused)
-    B, H = 3, 2
-    case = (B, H, G, sized(211), D, torch.bfloat16, 0, S)
-    q64, k64, v64, kv_start, q_offset = _inputs(case, seed=G * D + S)
-    q, k, v = q64.to(torch.bfloat16), k64.to(torch.bfloat16), v64.to(torch.bfloat16)
-    kk, vv, lay = _layout(case, k, v, kv_start, q_offset, 0)
-    qd = dev(q)
-    pos = {"kv_start": kv_start, "q_offset": q_offset, "backend": "reference"}
-    got = td.dense_decode(qd, kk, vv, scale=D**-0.5, out=nan_like(qd), num_splits=S, **lay)
-    check_close(got, dense_attention(q.double(), k.double(), v.double(), **pos), dense_attention(q, k, v, **pos),
-                "dense")
-    sel = select(q, k, budget=BUDGET, **pos)
-    got = td.sparse_decode(qd, kk, vv, dev(sel.indices), scale=D**-0.5, out=nan_like(qd), num_splits=S)
-    check_close(got, sparse_attention(q.double(), k.double(), v.double(), sel, **pos),
-                sparse_attention(q, k, v, sel, **pos), "sparse")
-
-
 @pytest.mark.parametrize("scores", ["four-levels", "peaked"])
 @pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
 def test_radix_selection_breaks_exact_ties_by_position(find_once, scores, monkeypatch):

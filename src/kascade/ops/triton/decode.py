@@ -40,7 +40,7 @@ from .common import LOG2E, dot, flags, interpreting, num_sms, to_out
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist, Done,
+    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -54,11 +54,9 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr, FUSED: tl.constexpr, GQ: tl.constexpr, S_BLK: tl.constexpr,
+    HAS_CNT: tl.constexpr,
 ):
-    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FUSED: the
-    last of a group's S programs to finish merges the group's partials (``Done [B * H]`` int32, zeroed, counts
-    them) instead of a merge launch."""
+    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows)."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -143,46 +141,6 @@ def _split_kernel(
                      to_out(o, Out.dtype.element_ty, RNE), mask=gm[:, None])
         else:
             tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
-            if FUSED:
-                # Every thread's partial is stored before the program counts itself done (release); the one that
-                # counts last sees all of them (acquire) and merges.
-                tl.debug_barrier()
-                ticket = tl.atomic_add(Done + b * H + h, 1, sem="acq_rel", scope="gpu")
-                if ticket == S - 1:
-                    _merge_group(Out, Acc, Mx, Ls, stride_ob, stride_oh, b, h, S, H, G, GQ, D, S_BLK, RNE)
-
-
-@triton.jit
-def _merge_group(Out, Acc, Mx, Ls, stride_ob, stride_oh, b, h, S, H: tl.constexpr, G: tl.constexpr,
-                 GQ: tl.constexpr, D: tl.constexpr, S_BLK: tl.constexpr, RNE: tl.constexpr):
-    """Log-sum-exp merge of the S split partials of the G query heads of group (b, h) (GQ = G padded to a power of
-    two), S_BLK splits at a time. Reads past L1 (.cg): the partials were written by other programs."""
-    offs_q = tl.arange(0, GQ)
-    qm = offs_q < G
-    hq = h * G + offs_q
-    first = (b * H * G + hq) * S  # [GQ]: split 0 of each head in Mx / Ls
-    offs_d = tl.arange(0, D)
-    m_run = tl.full([GQ], float("-inf"), tl.float32)
-    l_run = tl.zeros([GQ], tl.float32)
-    acc = tl.zeros([GQ, D], tl.float32)
-    for s0 in range(0, S, S_BLK):
-        offs_s = s0 + tl.arange(0, S_BLK)
-        at = first[:, None] + offs_s[None, :]  # [GQ, S_BLK]
-        ok = qm[:, None] & (offs_s < S)[None, :]
-        m = tl.load(Mx + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(Ls + at, mask=ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(Acc + at.to(tl.int64)[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # [GQ, S_BLK, D]
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)
-        w = tl.exp2(m - m_safe[:, None])  # splits without keys have m = -inf: weight 0
-        l_run = l_run * alpha + tl.sum(l * w, 1)
-        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
-        m_run = m_new
-    o = acc / l_run[:, None]
-    tl.store(Out + b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
-             to_out(o, Out.dtype.element_ty, RNE), mask=qm[:, None])
 
 
 @triton.jit
@@ -228,13 +186,6 @@ PASS_CONFIG = {
 }
 # Before 2026-12-04 every pass took (32, 4, 3, 2) and the sparse pass (64, 4, 3, 4), programs per SM rounded up.
 PROGRAMS_PER_SM = 4  # the sparse pass once the rows alone fill the GPU
-
-
-# Split-K partials are merged by the last program of each group to finish (one launch fewer; the merge launch
-# cost ~4 us of a 31 us reuse pass at B = 1, N = 128K on an H200) rather than by a merge kernel. The merging
-# program reads MERGE_ELEMENTS fp32 partial values at a time.
-FUSED_MERGE = True
-MERGE_ELEMENTS = 8192
 
 
 def _default_config(D: int, kind: str) -> tuple[int, int, int, int]:
@@ -300,9 +251,6 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     Acc = Mx if (direct or not has_v) else torch.empty(B, HQ, S, D, dtype=torch.float32, device=dev)
     Sc = torch.empty(B, HQ, sc_row, dtype=torch.float32, device=dev) if write_scores else Mx
     Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev) if write_scores else Mx
-    fused = has_v and not direct and FUSED_MERGE
-    Done = torch.zeros(B * H, dtype=torch.int32, device=dev) if fused else Mx
-    GQ = triton.next_power_of_2(G)
     if has_v and out is None:
         out = torch.empty_like(q)
     if sparse:
@@ -315,7 +263,6 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         q, k, v if v is not None else k, idx if sparse else dummy, counts if counts is not None else dummy,
         meta.tensor if meta is not None else dummy,
         block_table if block_table is not None else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
-        Done,
         q.stride(0), q.stride(1), *ks, *vs,
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
         block_table.stride(0) if block_table is not None else 0,
@@ -323,11 +270,10 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         n_keys, per, sc_row, scale * LOG2E,
         H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGE=max(page, 1), PAGED=block_table is not None, SPARSE=sparse,
         HAS_V=has_v, WRITE_SCORES=write_scores, DIRECT=direct, F32=f32, NHIST=topk.NHIST, RNE=rne,
-        HAS_CNT=counts is not None, FUSED=fused, GQ=GQ,
-        S_BLK=max(1, min(triton.next_power_of_2(S), MERGE_ELEMENTS // (GQ * D))), num_warps=nw,
+        HAS_CNT=counts is not None, num_warps=nw,
         **extra,
     )
-    if has_v and not direct and not fused:
+    if has_v and not direct:
         _merge_kernel[(HQ, B)](out, Acc, Mx, Ls, out.stride(0), out.stride(1), S, HQ=HQ, D=D,
                                S_PAD=triton.next_power_of_2(S), RNE=rne)
     return out, Mx, Ls, Sc, Hist, S
