@@ -5,9 +5,10 @@
 1. Checks every kernel against the reference ops on small random cases (contiguous and paged, varied lengths).
 2. Measures the device-to-device copy bandwidth (the ceiling for memory-bound kernels).
 3. Sweeps a few launch configurations of the split-K kernel (dense, sparse, and the anchor's scoring pass) and the
-   selection's chunk on representative shapes and keeps the fastest over all of them (printed; the defaults in
-   kascade/ops/triton/decode.py come from such a sweep); also records, per shape, the best configuration of that
-   shape alone beside the overall one (sweep["per_shape_best"]: what per-shape launch settings would gain).
+   selection's chunk on representative shapes and keeps the fastest over all of them (printed); also records, per
+   shape, the best configuration of that shape alone beside the overall one (sweep["per_shape_best"]). The
+   defaults in kascade/ops/triton/decode.py (PASS_CONFIG) come from the finer per-shape, per-pass sweep of
+   benchmarks/decode_configs.py.
 4. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, 10 % budget
    (Budget(ratio=0.1, k_min=128)), B in {1, 8, 32}, N in {8K, 32K, 128K, 512K} (where memory allows): per-layer
    times of dense (the faster of SDPA(enable_gqa=True) and our split-K kernel), layer 0 (dense output + selection),
