@@ -1,19 +1,22 @@
 """Compile every Triton kernel of kascade for an H100 / H200 (sm_90) on this machine, no GPU needed.
 
-    TRITON_INTERPRET=0 python tests/ops/compile_sm90.py   ->  one JSON line per kernel variant
+    TRITON_INTERPRET=0 python tests/ops/compile_sm90.py [NAME ...] [--resources]   ->  one JSON line per variant
 
 The interpreter that runs the kernel tests on CPUs accepts code that the GPU compiler refuses (a kernel reading a
 plain Python global, say), and shared memory only runs out on the device; this compiles each kernel as the
 launchers configure it, through Triton's real front end and NVIDIA back end (ptxas included), and reports the
-shared memory per program (as this machine's Triton lays it out: the GPU machine's Triton may differ).
-tests/ops/test_triton_compiles.py runs it.
+shared memory per program, with --resources the registers and spills too (as this machine's Triton compiles it:
+with the GPU machine's Triton, 3.6.0, on the path they matched Nsight Compute's reading on the H200, e.g. the sparse
+decode pass at D = 128: 157 registers, 39,424 bytes of shared memory). tests/ops/test_triton_compiles.py runs it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+import subprocess
+import tempfile
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling needs TRITON_INTERPRET unset"
 
@@ -32,6 +35,8 @@ BF16, I32, I64, F32 = "*bf16", "*i32", "*i64", "*fp32"
 POINTERS = {"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Idx": I32, "Cnt": I32, "Meta": I32, "BT": I32,
             "Hist": I32, "Done": I32, "State": I32, "KvStart": I32, "RowStart": I32, "Vals": F32}
 SCALARS = {"qk_scale": "fp32", "mass": "fp32", "S": "i32", "C": "i32", "KMAX": "i32", "L": "i32", "W": "i32"}
+# Integer arguments that the launchers' calls make multiples of 16 (Triton specialises a launch on that).
+DIVISIBLE = ("keys_per_split", "sc_row")
 
 
 def variants():
@@ -77,28 +82,55 @@ def variants():
     yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
 
 
+def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
+    """The kernel's signature and the specialisation a launch on the GPU gives it: pointers and strides (and the
+    other arguments that are multiples of 16 in the launchers' calls) marked divisible by 16, so that the code
+    (vector widths, registers) is the GPU's."""
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in SCALARS:
+            sig[a] = SCALARS[a]
+        elif a[0].isupper():
+            sig[a] = POINTERS.get(a, F32)
+        else:
+            sig[a] = "i32"
+    if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
+        sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a.startswith("stride_") or a in DIVISIBLE}
+    return sig, attrs
+
+
+def resources(cubin: bytes) -> str:
+    """Registers, stack (spills) and shared memory of a compiled kernel, from the cuobjdump that Triton carries."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return next((line.strip() for line in out.splitlines() if "REG:" in line), out.strip()[-200:])
+
+
 def main():
-    only = sys.argv[1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("only", nargs="*", help="compile only the variants whose name contains one of these")
+    ap.add_argument("--resources", action="store_true",
+                    help="also report registers and spills (cuobjdump); with the GPU machine's Triton on the path "
+                         "(pip install triton==3.6.0 --target DIR; PYTHONPATH=DIR:src) they are the GPU's")
+    args = ap.parse_args()
     for name, fn, consts, nw, ns in variants():
-        if only and not any(o in name for o in only):
+        if args.only and not any(o in name for o in args.only):
             continue
-        sig = {}
-        for a in fn.arg_names:
-            if a in consts:
-                sig[a] = "constexpr"
-            elif a in SCALARS:
-                sig[a] = SCALARS[a]
-            elif a[0].isupper():
-                sig[a] = POINTERS.get(a, F32)
-            else:
-                sig[a] = "i32"
-        if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
-            sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
+        sig, attrs = signature(fn, consts, name)
         row = {"kernel": name}
         try:
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET,
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                                options={"num_warps": nw, "num_stages": ns})
             row.update(ok=True, shared=k.metadata.shared, num_warps=nw, num_stages=ns)
+            if args.resources:
+                row["resources"] = resources(k.asm["cubin"])
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
         print(json.dumps(row), flush=True)
