@@ -132,14 +132,18 @@ def sweep(results):
         out[f"select bn{bn} w{nw} s{ns}"] = t
         log(f"sweep select (given lse) bn{bn} w{nw} s{ns}: {t:.2f} ms")
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
-    for bn, nw, ns in ((64, 4, 4), (64, 8, 2), (128, 4, 2), (32, 4, 5), (16, 4, 6)):
+    # bm: rows per program (None: the tile's 128 rows, which spill registers at D = 128 with 4 warps; 64: two programs
+    # per tile gathering the same keys, no spill; tests/ops/compile_sm90.py --resources)
+    for bn, nw, ns, bm in ((64, 4, 3, None), (64, 4, 4, None), (64, 8, 2, None), (128, 4, 2, None), (32, 4, 5, None),
+                           (16, 4, 6, None), (64, 4, 3, 64), (64, 8, 3, 64), (64, 4, 2, 64), (32, 4, 3, 64)):
         try:
-            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
+            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns,
+                                                block_m=bm))
         except Exception as e:  # noqa: BLE001
             t = float("nan")
-            log("sweep sparse", bn, nw, ns, "failed:", repr(e)[:200])
-        out[f"sparse bn{bn} w{nw} s{ns}"] = t
-        log(f"sweep sparse bn{bn} w{nw} s{ns}: {t:.2f} ms")
+            log("sweep sparse", bn, nw, ns, bm, "failed:", repr(e)[:200])
+        out[f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}"] = t
+        log(f"sweep sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}: {t:.2f} ms")
     results["sweep_llama_32k"] = out
 
 
