@@ -159,11 +159,11 @@ def graphed(fn):
     return g.replay
 
 
-def bench(fn, graph=True):
+def bench(fn, graph=True, warmup=10, rep=60):
     f = graphed(fn) if graph else fn
     if not graph:
         fn()
-    return do_bench(f, warmup=10, rep=60, return_mode="median") * 1e3  # us
+    return do_bench(f, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
 
 
 def copy_bandwidth(dev):

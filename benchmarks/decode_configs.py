@@ -5,7 +5,7 @@ shape wants, for the anchor's scoring pass, the sparse (reuse) pass and the dens
 
 `benchmarks/decode.py --tune` picks the one configuration that is best summed over three shapes; this sweeps each
 shape on its own, the number of splits included (the programs launched against what fits on the GPU at once), so
-that the launchers can choose per shape (:func:`kascade.ops.triton.decode.launch_config`). For every shape and
+that the launchers can choose per pass (``PASS_CONFIG`` in :mod:`kascade.ops.triton.decode`). For every shape and
 pass: the time of the current launch choice, the best found, and the full grid. Also the split kernel's merge alone
 (what a fused merge could save) and the graph replay of an empty kernel (the floor of one launch).
 
@@ -23,19 +23,18 @@ import time
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
 from kascade.ops.triton import decode as td
 
-from decode import BUDGET, MODELS, graphed, log, make  # noqa: E402  (run from benchmarks/)
+import decode  # noqa: E402  (run from benchmarks/)
+from decode import BUDGET, MODELS, log, make  # noqa: E402
 
 SHAPES = ("llama-3.1-8b:1:32768,llama-3.1-8b:1:131072,llama-3.1-8b:8:32768,llama-3.1-8b:8:131072,"
           "llama-3.1-8b:32:131072,smollm2-135m:1:131072,smollm2-135m:8:32768")
 
 
-def bench(fn):
-    g = graphed(fn)
-    return do_bench(g, warmup=5, rep=25, return_mode="median") * 1e3
+def bench(fn):  # decode.bench with a shorter timing window: the sweep times ~1,000 launches
+    return decode.bench(fn, warmup=5, rep=25)
 
 
 @triton.jit
@@ -117,7 +116,8 @@ def main():
             row["passes"][name] = {"current_us": cur, "best": best, "grid": grid}
             log(f"{model} B={B} N={N} {name}: current {cur:.1f} us, best {best}")
         # the merge alone at the current sparse launch
-        S, _ = td._splits(B * H, idx.shape[-1], td._default_config(D, "sparse")[0], dev, kind="sparse")
+        S, _ = td._splits(B * H, idx.shape[-1], td._default_config(D, "sparse")[0], dev, None,
+                          *td._per_sm("sparse", B * H, dev))
         if S > 1:
             Acc = torch.randn(B, HQ, S, D, device=dev)
             Mx = torch.randn(B, HQ, S, device=dev)

@@ -14,8 +14,9 @@ import argparse
 
 import torch
 
-from kascade.budget import Budget
 from kascade.ops.triton import decode as td
+
+from decode import BUDGET, MODELS, make  # noqa: E402  (run from benchmarks/)
 
 
 def main():
@@ -25,19 +26,16 @@ def main():
     ap.add_argument("N", type=int)
     ap.add_argument("--repeat", type=int, default=4)
     args = ap.parse_args()
-    B, N, HQ, H, D = args.B, args.N, 32, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, HQ, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    budget = Budget(ratio=0.1, k_min=128)
-    meta = td.decode_meta(B, device=q.device, q_offset=N - 1, budget=budget)
-    idx = td.select_decode(q, k, budget=budget, scale=D**-0.5, meta=meta, index_dtype=torch.int32).indices
+    B, N = args.B, args.N
+    HQ, H, D = MODELS["llama-3.1-8b"]
+    q, k, v = make(B, HQ, H, N, D, torch.device("cuda"))
+    meta = td.decode_meta(B, device=q.device, q_offset=N - 1, budget=BUDGET)
+    idx = td.select_decode(q, k, budget=BUDGET, scale=D**-0.5, meta=meta, index_dtype=torch.int32).indices
     for _ in range(args.repeat):
         if args.pass_ == "sparse":
             td.sparse_decode(q, k, v, idx, scale=D**-0.5)
         elif args.pass_ == "score":
-            td.select_decode(q, k, budget=budget, scale=D**-0.5, meta=meta)
+            td.select_decode(q, k, budget=BUDGET, scale=D**-0.5, meta=meta)
         else:
             td.dense_decode(q, k, v, scale=D**-0.5, meta=meta)
     torch.cuda.synchronize()

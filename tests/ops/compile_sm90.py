@@ -49,7 +49,7 @@ def variants():
                             ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False)),
                             ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False)),
                             ("sparse", dict(SPARSE=True, HAS_V=True, WRITE_SCORES=False, DIRECT=False))):
-            bn, nw, ns, _ = td._default_config(D, kind)
+            bn, nw, ns = td._default_config(D, kind)
             yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn}, nw, ns
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,

@@ -170,48 +170,47 @@ def _gp(G: int) -> int:
 
 
 # Launch configuration of each pass of the split-K kernel: (BLOCK_N at D <= 128, num_warps, num_stages, programs
-# per multiprocessor). From a per-shape sweep on an H200 (benchmarks/decode_configs.py, Llama and default-model
-# shapes, B 1-32, N 32K-128K; docs/benchmarks/decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes
-# per pipeline stage; not swept).
-#   dense:        the plain dense decode (our baseline; the SDPA kernel is usually the faster).
+# per multiprocessor, whether the split count rounds up to reach them). From a per-shape sweep on an H200
+# (benchmarks/decode_configs.py, Llama and default-model shapes, B 1-32, N 32K-128K; docs/benchmarks/
+# decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes per pipeline stage; not swept). Rounding down
+# keeps the programs within one wave (a second, partly filled wave cost up to 30 % in the sweep).
+#   dense:        the plain dense decode (our baseline; the SDPA kernel is usually the faster); not swept again, it
+#                 keeps its earlier rule, rounded up (rounded down, at B = 32, 128K, it took one split instead of two
+#                 and 3,988 us instead of 3,758, decode_run7.json).
 #   score:        the anchor's scoring pass (K only, writes the G score rows): 128-key blocks keep enough bytes in
 #                 flight; 27-32 % faster than the dense pass's (32, 4, 3) at B = 1-8.
 #   dense_scores: layer 0 (dense output + score rows).
-#   sparse:       the reuse pass over gathered rows.
+#   sparse:       the reuse pass over gathered rows; once the rows alone fill the GPU it wants more programs than
+#                 one wave: SPARSE_FULL (426 against 502 us at B = 32, 128K).
 PASS_CONFIG = {
-    "dense": (32, 4, 3, 2),
-    "score": (128, 4, 3, 2),
-    "dense_scores": (64, 4, 3, 2),
-    "sparse": (64, 4, 3, 3),
+    "dense": (32, 4, 3, 2, True),
+    "score": (128, 4, 3, 2, False),
+    "dense_scores": (64, 4, 3, 2, False),
+    "sparse": (64, 4, 3, 3, False),
 }
+SPARSE_FULL = (4, True)
 # Before 2026-12-04 every pass took (32, 4, 3, 2) and the sparse pass (64, 4, 3, 4), programs per SM rounded up.
-PROGRAMS_PER_SM = 4  # the sparse pass once the rows alone fill the GPU
 
 
-def _default_config(D: int, kind: str) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per SM) of one pass (:data:`PASS_CONFIG`)."""
-    bn, nw, ns, ppsm = PASS_CONFIG[kind]
-    if D > 128 and kind != "dense":
-        bn //= 2
-    return bn, nw, ns, ppsm
+def _default_config(D: int, kind: str) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of one pass (:data:`PASS_CONFIG`)."""
+    bn, nw, ns, _, _ = PASS_CONFIG[kind]
+    return (bn // 2 if D > 128 and kind != "dense" else bn), nw, ns
 
 
-def _splits(rows: int, n: int, block_n: int, device, num_splits=None, programs_per_sm=None, kind="dense"):
-    """(splits, keys per split), each split a whole number of blocks. By default as many splits as make about
-    ``programs_per_sm`` programs per multiprocessor *without going over* (a second, partly filled wave of programs
-    cost up to 30 % in the sweep), except the sparse pass once the rows alone fill the GPU, which wants more
-    programs than that (:data:`PROGRAMS_PER_SM`, rounded up; 426 against 502 us at B = 32, 128K), and the plain
-    dense pass, not swept again, which keeps its earlier rule (rounded up: at B = 32, 128K one split instead of two
-    took it from 3,758 to 3,988 us, decode_run7.json)."""
+def _per_sm(kind: str, rows: int, device) -> tuple[int, bool]:
+    """(programs per multiprocessor, round the split count up) of one pass over ``rows`` (sequence, KV head) rows."""
+    if kind == "sparse" and rows >= num_sms(device):
+        return SPARSE_FULL
+    return PASS_CONFIG[kind][3:]
+
+
+def _splits(rows: int, n: int, block_n: int, device, num_splits=None, per_sm=2, round_up=True) -> tuple[int, int]:
+    """(splits, keys per split), each split a whole number of blocks: ``num_splits`` or, by default, about ``per_sm``
+    programs per multiprocessor (rounded up, or down: never more)."""
     if num_splits is None:
-        ppsm = programs_per_sm or PASS_CONFIG[kind][3]
-        sms = num_sms(device)
-        if kind == "sparse" and rows >= sms and programs_per_sm is None:
-            want = triton.cdiv(PROGRAMS_PER_SM * sms, rows)
-        elif kind == "dense":
-            want = triton.cdiv(ppsm * sms, rows)
-        else:
-            want = max(1, ppsm * sms // rows)
+        programs = per_sm * num_sms(device)
+        want = triton.cdiv(programs, rows) if round_up else programs // rows
         num_splits = max(1, min(want, triton.cdiv(n, 2 * block_n)))
     per = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
     return triton.cdiv(n, per), per
@@ -240,13 +239,14 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
-    bn, nw, ns, _ = _default_config(D, kind)
+    bn, nw, ns = _default_config(D, kind)
     bn = block_n or bn
     nw = num_warps or nw
     num_stages = num_stages or ns
     if interpreting():
         num_stages = None
-    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm, kind)
+    per_sm, round_up = _per_sm(kind, B * H, dev)
+    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm or per_sm, round_up)
     direct = S == 1
     f32, rne = flags(q)
     ks, vs, page = _kv_args(k, v if v is not None else k, block_table)
