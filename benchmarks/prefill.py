@@ -33,6 +33,7 @@ import triton
 from kascade.budget import Budget
 from kascade.costs_measure import cuda_us
 from kascade.ops import reference
+from kascade.ops.selection import Selection
 from kascade.ops.triton import prefill as tp
 from kascade.ops.triton import topk
 
@@ -105,13 +106,21 @@ def inputs(HQ, H, D, N, seed=0):
     return q, k, v
 
 
+def first_keys(sel: Selection) -> Selection:
+    """The same number of keys per tile, but the sequence's first ones (no gather): the sparse kernel's own cost."""
+    idx = sel.indices
+    ar = torch.arange(idx.shape[-1], device=idx.device, dtype=idx.dtype)
+    return Selection(indices=torch.where(idx >= 0, ar, -1), row_start=sel.row_start, tile=sel.tile, decode=False)
+
+
 def sweep(results):
     HQ, H, D = MODELS["llama-3.1-8b"]
     N = 32768
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
     out = {}
-    for bm, bn, nw, ns in ((128, 128, 8, 2), (128, 128, 4, 3)):
+    for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+                           (128, 64, 4, 4)):
         try:
             t = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, block_m=bm, block_n=bn, num_warps=nw,
                                                num_stages=ns))
@@ -134,17 +143,36 @@ def sweep(results):
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     # bm: rows per program (None: the tile's 128 rows, which spill registers at D = 128 with 4 warps; 64: two programs
     # per tile gathering the same keys, no spill; tests/ops/compile_sm90.py --resources)
-    for bn, nw, ns, bm in ((64, 4, 3, None), (64, 4, 4, None), (64, 8, 2, None), (128, 4, 2, None), (32, 4, 5, None),
-                           (16, 4, 6, None), (64, 4, 3, 64), (64, 8, 3, 64), (64, 4, 2, 64), (32, 4, 3, 64)):
+    first = first_keys(sel)
+    # bm: rows per program (None: the tile's G * T). Triton 3.6 prefetches the gathered K / V rows an iteration
+    # ahead only from 5 stages on (the index load is a stage of its own); below, each iteration waits for its rows.
+    for bn, nw, ns, bm in ((64, 4, 3, None), (64, 4, 5, None), (64, 8, 5, None), (32, 4, 5, None), (32, 8, 5, None),
+                           (32, 4, 6, None), (32, 8, 6, None), (64, 8, 6, None), (128, 8, 5, None), (64, 8, 3, None),
+                           (64, 4, 5, 64), (64, 8, 5, 64)):
+        for name, s_ in (("", sel), (" first keys", first)):
+            if name and (bn, nw, ns, bm) not in ((64, 4, 3, None), (64, 8, 5, None)):
+                continue
+            try:
+                t = bench(lambda: tp.sparse_prefill(q, k, v, s_, scale=sc, block_n=bn, num_warps=nw, num_stages=ns,
+                                                    block_m=bm))
+            except Exception as e:  # noqa: BLE001
+                t = float("nan")
+                log("sweep sparse", bn, nw, ns, bm, "failed:", repr(e)[:200])
+            out[f"sparse{name} bn{bn} w{nw} s{ns} m{bm or 'tile'}"] = t
+            log(f"sweep sparse{name} bn{bn} w{nw} s{ns} m{bm or 'tile'}: {t:.2f} ms")
+    HQ, H, D = MODELS["smollm2-135m"]
+    q, k, v = inputs(HQ, H, D, N)
+    sc = D**-0.5
+    sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
+    for bn, nw, ns in ((64, 4, 3), (64, 4, 5), (64, 8, 5), (32, 4, 5), (128, 4, 5), (64, 4, 6)):
         try:
-            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns,
-                                                block_m=bm))
+            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
         except Exception as e:  # noqa: BLE001
             t = float("nan")
-            log("sweep sparse", bn, nw, ns, bm, "failed:", repr(e)[:200])
-        out[f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}"] = t
-        log(f"sweep sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}: {t:.2f} ms")
-    results["sweep_llama_32k"] = out
+            log("sweep sparse smollm2", bn, nw, ns, "failed:", repr(e)[:200])
+        out[f"smollm2 sparse bn{bn} w{nw} s{ns}"] = t
+        log(f"sweep smollm2 sparse bn{bn} w{nw} s{ns}: {t:.2f} ms")
+    results["sweep_32k"] = out
 
 
 def flex_fn(q, k, v):

@@ -44,16 +44,17 @@ def variants():
     D = 128; the default model's: G = 3, D = 64)."""
     for D, G in ((128, 4), (64, 3)):
         base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
-                    HAS_CNT=False)
+                    HAS_CNT=False, MAXB=1)
         for kind, flags in (("score", dict(SPARSE=False, HAS_V=False, WRITE_SCORES=True, DIRECT=False)),
                             ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False)),
                             ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False)),
                             ("sparse", dict(SPARSE=True, HAS_V=True, WRITE_SCORES=False, DIRECT=False))):
             bn, nw, ns = td._default_config(D, kind)
-            yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn}, nw, ns
+            maxb = 8 if kind == "sparse" else 1
+            yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn, "MAXB": maxb}, nw, ns
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
-                "PAGE": 16, "HAS_CNT": True, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
+                "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
         yield f"decode merge D{D}", td._merge_kernel, dict(HQ=32, D=D, S_PAD=64, RNE=False), 4, 3
         T = 32
         M, NSUB = tp._tile_rows(G, T)
@@ -69,9 +70,10 @@ def variants():
                dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False), 4,
                1 if NSUB > 1 and D > 64 else 3)
         M, NRB = tp._tile_rows(G, T)
+        bn, nw, ns = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
-               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=64, MAXB=256, F32=False, RNE=False, HAS_CNT=True),
-               4, 3)
+               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True),
+               nw, ns)
     ch = topk.SELECT_CHUNK
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
     yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3
@@ -79,7 +81,9 @@ def variants():
         yield f"topk find L{level}", topk._find_kernel, dict(H=8, NHIST=topk.NHIST, LEVEL=level), 4, 3
         yield (f"topk radix L{level}", topk._radix_kernel,
                dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level, FOUND=level == 3), 4, 3)
-    yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
+    for zero in (False, True):  # decode's, prefill's (RowSelect)
+        yield (f"topk write{' zero-hist' if zero else ''}", topk._write_kernel,
+               dict(H=8 if not zero else 1, CH=ch, C_PAD=64, PAGED=False, NHIST=topk.NHIST, ZERO_HIST=zero), 4, 3)
 
 
 def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:

@@ -209,6 +209,41 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
+def test_row_select_reuses_its_scratch_over_chunks_and_writes_strided_rows():
+    """topk.RowSelect, prefill's radix select over a run of chunks: one scratch for every chunk (the histograms
+    are zeroed once, then by each chunk's write pass), each chunk's rows written as offset slots into a strided
+    view of a larger index tensor (row r at out[r // out_rows, r % out_rows]), the rest of that tensor untouched;
+    chunks of different widths and row counts, int32 and int64 outputs. Against a sort on the host."""
+    g = torch.Generator().manual_seed(9)
+    G_, C_, K = 3, 4, 40  # out: [G_, 2 * C_, K]: two chunks of C_ rows per group, side by side
+    select = topk.RowSelect(G_ * C_, sized(300), dev(torch.zeros(1)).device, chunk=64)
+    for dtype in (torch.int64, torch.int32):
+        out = dev(torch.full((G_, 2 * C_, K), -7, dtype=dtype))
+        want = torch.full((G_, 2 * C_, K), -7, dtype=dtype)
+        for part, W in enumerate((sized(300), sized(120) + 3)):
+            R = G_ * C_
+            vals = torch.rand(R, W, generator=g) ** 6
+            vals[0, : W // 2] = vals[0, 0]  # ties across the threshold
+            cand = torch.randint(W // 2, W + 1, (R,), generator=g)
+            for r in range(R):
+                vals[r, int(cand[r]):] = float("-inf")
+            counts = torch.minimum(cand, torch.randint(0, K - 5, (R,), generator=g))
+            offsets = torch.randint(0, 1000, (R,), generator=g)
+            meta = torch.stack([offsets, torch.full((R,), W), counts, torch.zeros(R, dtype=torch.long)], -1)
+            kc = K - 2  # the write pads to kc, leaving the last two entries of each row as they were
+            view = out[:, part * C_:(part + 1) * C_]
+            mass = float(vals.clamp(min=0).sum(-1).max())
+            select(dev(vals), dev(meta.to(torch.int32)), kc, view, out_rows=C_, mass=mass)
+            for r in range(R):
+                c = int(counts[r])
+                top = sorted(sorted(range(int(cand[r])), key=lambda j: (-float(vals[r, j]), j))[:c])
+                row = want[r // C_, part * C_ + r % C_]
+                row[:kc] = -1
+                row[:c] = torch.tensor(top, dtype=dtype) + int(offsets[r])
+        assert torch.equal(out.cpu(), want), dtype
+    assert not select.hist.any(), "the write pass leaves the histograms zeroed"
+
+
 @pytest.mark.parametrize("mass", ["row-sum", "none", "too-small"])
 @pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])

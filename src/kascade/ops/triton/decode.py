@@ -54,7 +54,7 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr,
+    HAS_CNT: tl.constexpr, MAXB: tl.constexpr,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows)."""
     split = tl.program_id(0)
@@ -79,6 +79,16 @@ def _split_kernel(
         n = tl.load(Meta + b * 4 + 1)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, n)
+    if SPARSE:  # the split's entries up to the row's -1 padding (which is at the end): the blocks that hold any
+        # index (one strided load), then the last of them. A mask from positions alone, not from the indices
+        # loaded in the loop, leaves the loop one chain (index -> address -> K / V rows) for the software
+        # pipeliner to prefetch stages ahead.
+        row_idx = Idx + b64 * stride_ib + h * stride_ih
+        jb = lo + tl.arange(0, MAXB) * BLOCK_N
+        nblk = tl.sum((tl.load(row_idx + jb, mask=jb < hi, other=-1) >= 0).to(tl.int32), 0)
+        j_last = lo + (nblk - 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        last = tl.load(row_idx + j_last, mask=(j_last >= lo) & (j_last < hi), other=-1)
+        hi = tl.minimum(hi, lo + tl.maximum(nblk - 1, 0) * BLOCK_N + tl.sum((last >= 0).to(tl.int32), 0))
 
     if WRITE_SCORES:
         if split == 0:  # the selection's histograms for this row start from zero
@@ -95,9 +105,8 @@ def _split_kernel(
         jm = j < hi
         # ---- which rows: positions (contiguous: relative to the first valid slot) ----
         if SPARSE:
-            pos = tl.load(Idx + b64 * stride_ib + h * stride_ih + j, mask=jm, other=-1).to(tl.int64)
-            valid = pos >= 0
-            pos = tl.where(valid, pos, 0)
+            pos = tl.load(row_idx + j, mask=jm, other=0).to(tl.int64)
+            valid = jm
         else:
             pos = j.to(tl.int64)
             valid = jm
@@ -274,7 +283,7 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         n_keys, per, sc_row, scale * LOG2E,
         H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGE=max(page, 1), PAGED=block_table is not None, SPARSE=sparse,
         HAS_V=has_v, WRITE_SCORES=write_scores, DIRECT=direct, F32=f32, NHIST=topk.NHIST, RNE=rne,
-        HAS_CNT=counts is not None, num_warps=nw,
+        HAS_CNT=counts is not None, MAXB=triton.next_power_of_2(triton.cdiv(per, bn)) if sparse else 1, num_warps=nw,
         **extra,
     )
     if has_v and not direct:

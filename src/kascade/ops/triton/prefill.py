@@ -244,21 +244,25 @@ def _sparse_kernel(
         n_row = n_idx
         if HAS_CNT:  # only the first Cnt[b, r] entries of the row (the prefix of a ranked selection)
             n_row = tl.minimum(n_row, tl.load(Cnt + b64 * stride_cb + r))
-        # Blocks of the index list that hold any index (-1 padding at the end): one strided load.
+        # The row's length (-1 padding at the end): the blocks that hold any index (one strided load), then the
+        # last of them. Masks computed from it, not from the indices loaded in the loop, leave the loop one chain
+        # (index -> address -> K / V rows) that the software pipeliner prefetches stages ahead.
+        offs_n = tl.arange(0, BLOCK_N)
         jb = tl.arange(0, MAXB) * BLOCK_N
         firsts = tl.load(idx_row + jb, mask=jb < n_row, other=-1)
         nblk = tl.sum((firsts >= 0).to(tl.int32), 0)
+        j_last = (nblk - 1) * BLOCK_N + offs_n
+        last = tl.load(idx_row + j_last, mask=(j_last >= 0) & (j_last < n_row), other=-1)
+        n_row = tl.maximum(nblk - 1, 0) * BLOCK_N + tl.sum((last >= 0).to(tl.int32), 0)
 
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
         # ---- selected keys (all strictly before the tile) ----
         for kb in range(0, nblk):
             j = kb * BLOCK_N + offs_n
-            slot = tl.load(idx_row + j, mask=j < n_row, other=-1).to(tl.int64)
-            ok = slot >= 0
-            slot = tl.where(ok, slot, start)
+            ok = j < n_row
+            slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
             vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             m_i, l_i, acc = _online_step(q, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, False)
@@ -310,6 +314,15 @@ def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int,
     if D <= 128:  # H200 sweep at N = 32K: dense 17.3 ms with (128, 128, 8, 3); QK-only 10.2 ms with (128, 64, 8, 2)
         return (128, 128, 8, 3) if has_v else (128, 64, 8, 2)
     return 64, 64, 4, 2
+
+
+def _sparse_config(D: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the sparse kernel. H200 sweep at N = 32K (prefill.md, run 8): Llama
+    shapes (64, 4, 3) 2.89 ms, (64, 8, 5) 3.15, (32, 4, 5) 3.20, (64, 8, 3) 3.68; the default model's (D = 64)
+    (64, 4, 6) 0.72 ms, (32, 4, 5) 0.74, (64, 4, 5) 0.77, (64, 4, 3) 0.85."""
+    if D <= 64:
+        return 64, 4, 6
+    return (64, 4, 3) if D <= 128 else (32, 4, 2)
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
@@ -434,19 +447,23 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     # lists cost O(B * rows) and, with ~2,000 chunks of a B=8, 128K prefill, seconds per anchor on the host.
     assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
 
+    # The radix select of unranked rows writes each chunk's slots straight into `indices` (topk.RowSelect); the
+    # ranked rows and torch.topk go through temporaries and a write-back.
+    direct = method == "radix" and depth is None
+
     def row_bytes(w, kc):  # a buffer row and its top-k temporaries
-        if method == "radix":  # histograms, per-chunk counts, the int64 result (+ values and order when ranked),
-            # and the write-back below (top >= 0, top + start, the where: 17 bytes per key)
+        if method == "radix":  # histograms, per-chunk counts, the bin-search state; without `direct` the int64
+            # result (+ values and order when ranked) and the write-back (top >= 0, top + start, the where)
             return (4 * w + 4 * topk.NHIST + 8 * triton.cdiv(w, topk.SELECT_CHUNK) + 32
-                    + (32 if depth else 8) * kc + 17 * kc)
+                    + (0 if direct else (32 if depth else 8) * kc + 17 * kc))
         return 4 * w + 40 * kc  # torch.topk: values, indices, a sorted copy
 
     def kmax(r0, r1):
         return max((x[min(r1, c) - 1] if min(r1, c) > r0 else 0) for x, c in zip(budgets, count))
 
+    chunks = []  # (r0, r1, W, kc): the largest chunks whose buffer plus top-k temporaries fit the bound
     r0 = 0
     while r0 < R:
-        # Largest chunk whose buffer plus top-k temporaries (values, indices, sorted copy) fit the bound.
         C = 1
         lo_c, hi_c = 1, R - r0
         while lo_c <= hi_c:
@@ -457,9 +474,21 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 C, lo_c = mid, mid + 1
             else:
                 hi_c = mid - 1
-        r1 = r0 + C
-        W = width(r1)
-        kc = kmax(r0, r1)
+        chunks.append((r0, r0 + C, width(r0 + C), kmax(r0, r0 + C)))
+        r0 += C
+    if direct and not _scores_only:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first
+        # slot, the buffer width, the row's count, 0), made on the host and copied once (a copy per chunk would
+        # be one more operation for the host to launch per chunk)
+        full = torch.zeros(B, H, R, 4, dtype=torch.int32)
+        full[..., 0] = host_start[:, None, None]
+        full[..., 1] = torch.tensor([W for r0, r1, W, _ in chunks for _ in range(r0, r1)])
+        full[..., 2] = budgets_host[:, None, :]
+        meta_host = torch.cat([full[:, :, r0:r1].reshape(-1, 4) for r0, r1, _, _ in chunks])
+        meta_all = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host.to(dev)
+        radix = topk.RowSelect(B * H * max(r1 - r0 for r0, r1, _, _ in chunks), max(c[2] for c in chunks), dev)
+    m0 = 0
+    for r0, r1, W, kc in chunks:
+        C = r1 - r0
         if kc > 0:
             buf = torch.empty(B, H, C, W, dtype=torch.float32, device=dev)
             per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, B * H * C))))
@@ -471,15 +500,19 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 L, q_offset, r0, W, per, scale * LOG2E,
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, num_warps=nw, num_stages=ns,
             )
-            if _scores_only:  # benchmark breakdown: the scoring kernels without the top-k
-                r0 = r1
-                continue
-            top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
-                                 mass=G * T if TOPK_BOUND else None)  # a row pools G x T queries' probabilities
+            mass = G * T if TOPK_BOUND else None  # a row pools G x T queries' probabilities
+            if _scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
+                pass
+            elif direct:
+                radix(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], kc, indices[:, :, r0:r1].view(B * H, C, K),
+                      out_rows=C, mass=mass)
+            else:
+                top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
+                                     mass=mass)
+                indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
+                del top
             del buf
-            indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
-            del top
-        r0 = r1
+        m0 += B * H * C
     return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
 
 
@@ -502,9 +535,8 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
     f32, rne = flags(q)
     M, NRB = _tile_rows(G, T, block_m)
-    bn = block_n or (64 if D <= 128 else 32)
-    nw = num_warps or 4  # H200 sweep (Llama, 32K): (64, 4, 3) 3.84 ms, (32, 4, 3) 4.08, (64, 8, 3) 4.65
-    ns = num_stages or (3 if D <= 128 else 2)
+    bn, nw, ns = _sparse_config(D)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     out = torch.empty_like(q) if out is None else out
     maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
     if counts is not None:

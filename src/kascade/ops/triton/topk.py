@@ -214,11 +214,15 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
 
 
 @triton.jit
-def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
-                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr):
-    """Ordered compaction: every element above the threshold, and the first ones equal to it, in key order."""
+def _write_kernel(Pooled, Meta, State, Cnt, Out, Hist, sc_row, C, KMAX, out_rows, stride_og, stride_or,
+                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr,
+                  NHIST: tl.constexpr, ZERO_HIST: tl.constexpr):
+    """Ordered compaction: every element above the threshold, and the first ones equal to it, in key order, into
+    row ``row`` of ``Out`` at ``(row // out_rows) * stride_og + (row % out_rows) * stride_or``. ZERO_HIST: zero the
+    row's histograms (read by nothing after the threshold pass) for the next chunk of rows."""
     c = tl.program_id(0)
     row = tl.program_id(1)
+    out_row = Out + (row // out_rows).to(tl.int64) * stride_og + (row % out_rows).to(tl.int64) * stride_or
     b = row // H
     n = tl.load(Meta + b * 4 + 1)
     kb = tl.load(Meta + b * 4 + 2)
@@ -242,30 +246,38 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX,
     sel = gt | (eq & (eq_rank < need))
     seli = sel.to(tl.int32)
     dst = gt_before + tl.minimum(eq_before, need) + tl.cumsum(seli, 0) - seli
-    tl.store(Out + row.to(tl.int64) * KMAX + dst, (base + pos).to(Out.dtype.element_ty), mask=sel)
+    tl.store(out_row + dst, (base + pos).to(Out.dtype.element_ty), mask=sel)
     if c == 0:
         for p0 in range(kb, KMAX, CH):
             pp = p0 + tl.arange(0, CH)
-            tl.store(Out + row.to(tl.int64) * KMAX + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
+            tl.store(out_row + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
+        if ZERO_HIST:
+            offs_z = tl.arange(0, 1024)
+            for z in range(0, NHIST, 1024):
+                tl.store(Hist + row * NHIST + z + offs_z, tl.zeros([1024], tl.int32), mask=z + offs_z < NHIST)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, mass, out, sc_row, rows, H, ch, C, KMAX, paged):
+def _radix_passes(vals, meta, Hist, mass, out, sc_row, rows, H, ch, C, KMAX, paged, *, out_rows=1, stride_og=None,
+                  stride_or=0, State=None, Cnt=None, zero_hist=False):
     """After the first histogram (counted under the bound ``mass``): the refining passes, the per-chunk counts at
-    the exact threshold and the ordered write of each row's top keys into ``out`` (``rows`` rows of ``KMAX``
-    slots)."""
-    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device)
-    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
+    the exact threshold and the ordered write of each row's top keys (``KMAX`` slots) into ``out``, row ``r`` at
+    ``(r // out_rows) * stride_og + (r % out_rows) * stride_or`` (default: ``rows`` contiguous rows of ``KMAX``).
+    ``State [rows, 8]``, ``Cnt [rows * C * 2]`` int32: scratch (allocated here unless given); ``zero_hist``: the
+    write pass leaves ``Hist`` zeroed."""
+    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device) if State is None else State
+    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device) if Cnt is None else Cnt
     once = rows * C >= FIND_ONCE_PROGRAMS
     for level in (2, 3, 4, 5):
         if once:
             _find_kernel[(rows,)](meta, Hist, State, mass, H=H, NHIST=NHIST, LEVEL=level)
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
                                  LEVEL=level, FOUND=once)
-    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, H=H, CH=ch,
-                             C_PAD=triton.next_power_of_2(C), PAGED=paged)
+    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, Hist, sc_row, C, KMAX, out_rows,
+                             KMAX if stride_og is None else stride_og, stride_or, H=H, CH=ch,
+                             C_PAD=triton.next_power_of_2(C), PAGED=paged, NHIST=NHIST, ZERO_HIST=zero_hist)
 
 
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -310,6 +322,41 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :].to(index_dtype)
 
 
+class RowSelect:
+    """The radix select over rows of candidates, for a run of chunks of rows (a prefill selection): the scratch
+    (histograms, bin-search state, per-chunk counts) allocated once for up to ``rows`` rows of up to ``width``
+    values, and the histograms zeroed once and then by the write pass that reads them last, so that a chunk costs
+    its 11 kernel launches and no allocation or memset. At 128K tokens a Llama-shaped selection has ~250 chunks and
+    the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md, run 8)."""
+
+    def __init__(self, rows: int, width: int, device, *, chunk: int | None = None):
+        self.chunk = chunk
+        c_max = triton.cdiv(width, chunk or SELECT_CHUNK)
+        self.hist = torch.zeros(rows, NHIST, dtype=torch.int32, device=device)
+        self.state = torch.empty(rows, 8, dtype=torch.int32, device=device)
+        self.cnt = torch.empty(rows * c_max * 2, dtype=torch.int32, device=device)
+
+    def __call__(self, vals: torch.Tensor, meta: torch.Tensor, kc: int, out: torch.Tensor, *, out_rows: int = 1,
+                 mass: float | None = None) -> None:
+        """Row ``r`` of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) keeps its top ``meta[r, 2]`` values
+        (exact; ties at the threshold: the earliest positions) as ascending positions plus ``meta[r, 0]``, written
+        with -1 padding to ``kc`` into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]``
+        of a 3-d view, last dim contiguous). ``meta [R, 4]`` int32 on the device: (offset, W, count, 0) per row;
+        ``kc >= `` every count; ``mass``: as :func:`row_topk`'s."""
+        R, W = vals.shape
+        assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
+        assert out.dim() == 3 and out.stride(-1) == 1 and out.shape[0] * out_rows >= R and out.shape[-1] >= kc
+        assert R <= self.hist.shape[0]
+        ch = self.chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
+        C = triton.cdiv(W, ch)
+        assert R * C * 2 <= self.cnt.numel()
+        bound = float(mass or 0.0)
+        _hist_kernel[(C, R)](vals, meta, self.hist, W, bound, CH=ch, NHIST=NHIST)
+        _radix_passes(vals, meta, self.hist, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
+                      stride_og=out.stride(0), stride_or=out.stride(1), State=self.state, Cnt=self.cnt,
+                      zero_hist=True)
+
+
 def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
              chunk: int | None = None, mass: float | None = None) -> torch.Tensor:
     """Exact top ``counts[r]`` of every row of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) by radix
@@ -327,13 +374,9 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     meta = torch.zeros(R, 4, dtype=torch.int32, device=dev)
     meta[:, 1] = W
     meta[:, 2] = counts
-    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
-    C = triton.cdiv(W, ch)
-    Hist = torch.zeros(R, NHIST, dtype=torch.int32, device=dev)
-    bound = float(mass or 0.0)
-    _hist_kernel[(C, R)](vals, meta, Hist, W, bound, CH=ch, NHIST=NHIST)
-    out = torch.empty(R, kc, dtype=torch.long, device=dev)
-    _radix_passes(vals, meta, Hist, bound, out, W, R, 1, ch, C, kc, False)
+    out = torch.empty(R, 1, kc, dtype=torch.long, device=dev)
+    RowSelect(R, W, dev, chunk=chunk)(vals, meta, kc, out, mass=mass)
+    out = out[:, 0]
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
 
 
