@@ -67,8 +67,8 @@ def variants():
         yield (f"prefill lse D{D}", tp._dense_kernel,
                dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
         yield (f"prefill score D{D}", tp._score_kernel,
-               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False), 4,
-               1 if NSUB > 1 and D > 64 else 3)
+               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False,
+                    NHIST=topk.NHIST, ZERO_HIST=True), 4, 1 if NSUB > 1 and D > 64 else 3)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
@@ -81,9 +81,7 @@ def variants():
         yield f"topk find L{level}", topk._find_kernel, dict(H=8, NHIST=topk.NHIST, LEVEL=level), 4, 3
         yield (f"topk radix L{level}", topk._radix_kernel,
                dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level, FOUND=level == 3), 4, 3)
-    for zero in (False, True):  # decode's, prefill's (RowSelect)
-        yield (f"topk write{' zero-hist' if zero else ''}", topk._write_kernel,
-               dict(H=8 if not zero else 1, CH=ch, C_PAD=64, PAGED=False, NHIST=topk.NHIST, ZERO_HIST=zero), 4, 3)
+    yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
 
 
 def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:

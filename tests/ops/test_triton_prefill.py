@@ -209,14 +209,13 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
-def test_row_select_reuses_its_scratch_over_chunks_and_writes_strided_rows():
-    """topk.RowSelect, prefill's radix select over a run of chunks: one scratch for every chunk (the histograms
-    are zeroed once, then by each chunk's write pass), each chunk's rows written as offset slots into a strided
-    view of a larger index tensor (row r at out[r // out_rows, r % out_rows]), the rest of that tensor untouched;
-    chunks of different widths and row counts, int32 and int64 outputs. Against a sort on the host."""
+def test_rows_into_writes_offset_slots_into_strided_rows():
+    """topk.rows_into, prefill's radix select of a chunk of rows in place: each row's top keys as offset slots
+    (meta's first column) written into a strided view of a larger index tensor (row r at out[r // out_rows,
+    r % out_rows]), -1 padded to kc, the rest of that tensor untouched; two chunks of different widths side by
+    side, int32 and int64 outputs. Against a sort on the host."""
     g = torch.Generator().manual_seed(9)
     G_, C_, K = 3, 4, 40  # out: [G_, 2 * C_, K]: two chunks of C_ rows per group, side by side
-    select = topk.RowSelect(G_ * C_, sized(300), dev(torch.zeros(1)).device, chunk=64)
     for dtype in (torch.int64, torch.int32):
         out = dev(torch.full((G_, 2 * C_, K), -7, dtype=dtype))
         want = torch.full((G_, 2 * C_, K), -7, dtype=dtype)
@@ -231,9 +230,10 @@ def test_row_select_reuses_its_scratch_over_chunks_and_writes_strided_rows():
             offsets = torch.randint(0, 1000, (R,), generator=g)
             meta = torch.stack([offsets, torch.full((R,), W), counts, torch.zeros(R, dtype=torch.long)], -1)
             kc = K - 2  # the write pads to kc, leaving the last two entries of each row as they were
-            view = out[:, part * C_:(part + 1) * C_]
+            hist = dev(torch.zeros(R, topk.NHIST, dtype=torch.int32))
             mass = float(vals.clamp(min=0).sum(-1).max())
-            select(dev(vals), dev(meta.to(torch.int32)), kc, view, out_rows=C_, mass=mass)
+            topk.rows_into(dev(vals), dev(meta.to(torch.int32)), hist, kc, out[:, part * C_:(part + 1) * C_],
+                           out_rows=C_, mass=mass, chunk=64)
             for r in range(R):
                 c = int(counts[r])
                 top = sorted(sorted(range(int(cand[r])), key=lambda j: (-float(vals[r, j]), j))[:c])
@@ -241,7 +241,6 @@ def test_row_select_reuses_its_scratch_over_chunks_and_writes_strided_rows():
                 row[:kc] = -1
                 row[:c] = torch.tensor(top, dtype=dtype) + int(offsets[r])
         assert torch.equal(out.cpu(), want), dtype
-    assert not select.hist.any(), "the write pass leaves the histograms zeroed"
 
 
 @pytest.mark.parametrize("mass", ["row-sum", "none", "too-small"])

@@ -137,19 +137,27 @@ def _dense_kernel(
 
 @triton.jit
 def _score_kernel(
-    Q, K, Lse, KvStart, RowStart, Buf,
+    Q, K, Lse, KvStart, RowStart, Buf, Hist,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kn,
     stride_bb, stride_bh, stride_bc,
     L, q_offset, r0, W, keys_per_split, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
 ):
     """One program = (key split, tile of the chunk, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
-    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W."""
+    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. ZERO_HIST: the first
+    split zeroes the top-k's histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a
+    memset launch less per chunk."""
     split = tl.program_id(0)
     c = tl.program_id(1)
     hb = tl.program_id(2)
+    if ZERO_HIST:
+        if split == 0:
+            offs_z = tl.arange(0, 1024)
+            hrow = Hist + (hb * tl.num_programs(1) + c).to(tl.int64) * NHIST
+            for z in range(0, NHIST, 1024):
+                tl.store(hrow + z + offs_z, tl.zeros([1024], tl.int32), mask=z + offs_z < NHIST)
     H = HQ // G
     h = hb % H
     b = hb // H
@@ -447,7 +455,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     # lists cost O(B * rows) and, with ~2,000 chunks of a B=8, 128K prefill, seconds per anchor on the host.
     assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
 
-    # The radix select of unranked rows writes each chunk's slots straight into `indices` (topk.RowSelect); the
+    # The radix select of unranked rows writes each chunk's slots straight into `indices` (topk.rows_into); the
     # ranked rows and torch.topk go through temporaries and a write-back.
     direct = method == "radix" and depth is None
 
@@ -476,36 +484,38 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 hi_c = mid - 1
         chunks.append((r0, r0 + C, width(r0 + C), kmax(r0, r0 + C)))
         r0 += C
-    if direct and not _scores_only:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first
-        # slot, the buffer width, the row's count, 0), made on the host and copied once (a copy per chunk would
-        # be one more operation for the host to launch per chunk)
+    direct = direct and not _scores_only
+    if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
+        # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
         full = torch.zeros(B, H, R, 4, dtype=torch.int32)
         full[..., 0] = host_start[:, None, None]
         full[..., 1] = torch.tensor([W for r0, r1, W, _ in chunks for _ in range(r0, r1)])
         full[..., 2] = budgets_host[:, None, :]
         meta_host = torch.cat([full[:, :, r0:r1].reshape(-1, 4) for r0, r1, _, _ in chunks])
         meta_all = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host.to(dev)
-        radix = topk.RowSelect(B * H * max(r1 - r0 for r0, r1, _, _ in chunks), max(c[2] for c in chunks), dev)
     m0 = 0
     for r0, r1, W, kc in chunks:
         C = r1 - r0
         if kc > 0:
             buf = torch.empty(B, H, C, W, dtype=torch.float32, device=dev)
+            hist = torch.empty(B * H * C, topk.NHIST, dtype=torch.int32, device=dev) if direct else buf
             per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, B * H * C))))
             per = triton.cdiv(per, bn) * bn
             _score_kernel[(triton.cdiv(W, per), C, B * H)](
-                q, k, lse, ks, rs, buf,
+                q, k, lse, ks, rs, buf, hist,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, W, per, scale * LOG2E,
-                HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, num_warps=nw, num_stages=ns,
+                HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST, ZERO_HIST=direct,
+                num_warps=nw, num_stages=ns,
             )
             mass = G * T if TOPK_BOUND else None  # a row pools G x T queries' probabilities
             if _scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
             elif direct:
-                radix(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], kc, indices[:, :, r0:r1].view(B * H, C, K),
-                      out_rows=C, mass=mass)
+                topk.rows_into(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], hist, kc,
+                               indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass)
+                del hist
             else:
                 top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
                                      mass=mass)

@@ -214,12 +214,10 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
 
 
 @triton.jit
-def _write_kernel(Pooled, Meta, State, Cnt, Out, Hist, sc_row, C, KMAX, out_rows, stride_og, stride_or,
-                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr,
-                  NHIST: tl.constexpr, ZERO_HIST: tl.constexpr):
+def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX, out_rows, stride_og, stride_or,
+                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr):
     """Ordered compaction: every element above the threshold, and the first ones equal to it, in key order, into
-    row ``row`` of ``Out`` at ``(row // out_rows) * stride_og + (row % out_rows) * stride_or``. ZERO_HIST: zero the
-    row's histograms (read by nothing after the threshold pass) for the next chunk of rows."""
+    row ``row`` of ``Out`` at ``(row // out_rows) * stride_og + (row % out_rows) * stride_or``."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     out_row = Out + (row // out_rows).to(tl.int64) * stride_og + (row % out_rows).to(tl.int64) * stride_or
@@ -251,33 +249,27 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, Hist, sc_row, C, KMAX, out_rows
         for p0 in range(kb, KMAX, CH):
             pp = p0 + tl.arange(0, CH)
             tl.store(out_row + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
-        if ZERO_HIST:
-            offs_z = tl.arange(0, 1024)
-            for z in range(0, NHIST, 1024):
-                tl.store(Hist + row * NHIST + z + offs_z, tl.zeros([1024], tl.int32), mask=z + offs_z < NHIST)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 def _radix_passes(vals, meta, Hist, mass, out, sc_row, rows, H, ch, C, KMAX, paged, *, out_rows=1, stride_og=None,
-                  stride_or=0, State=None, Cnt=None, zero_hist=False):
+                  stride_or=0):
     """After the first histogram (counted under the bound ``mass``): the refining passes, the per-chunk counts at
     the exact threshold and the ordered write of each row's top keys (``KMAX`` slots) into ``out``, row ``r`` at
-    ``(r // out_rows) * stride_og + (r % out_rows) * stride_or`` (default: ``rows`` contiguous rows of ``KMAX``).
-    ``State [rows, 8]``, ``Cnt [rows * C * 2]`` int32: scratch (allocated here unless given); ``zero_hist``: the
-    write pass leaves ``Hist`` zeroed."""
-    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device) if State is None else State
-    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device) if Cnt is None else Cnt
+    ``(r // out_rows) * stride_og + (r % out_rows) * stride_or`` (default: ``rows`` contiguous rows of ``KMAX``)."""
+    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device)
+    Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     once = rows * C >= FIND_ONCE_PROGRAMS
     for level in (2, 3, 4, 5):
         if once:
             _find_kernel[(rows,)](meta, Hist, State, mass, H=H, NHIST=NHIST, LEVEL=level)
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
                                  LEVEL=level, FOUND=once)
-    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, Hist, sc_row, C, KMAX, out_rows,
+    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows,
                              KMAX if stride_og is None else stride_og, stride_or, H=H, CH=ch,
-                             C_PAD=triton.next_power_of_2(C), PAGED=paged, NHIST=NHIST, ZERO_HIST=zero_hist)
+                             C_PAD=triton.next_power_of_2(C), PAGED=paged)
 
 
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -322,39 +314,25 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     return torch.where(top == big, -1, top + (0 if meta.paged else base))[:, :, None, :].to(index_dtype)
 
 
-class RowSelect:
-    """The radix select over rows of candidates, for a run of chunks of rows (a prefill selection): the scratch
-    (histograms, bin-search state, per-chunk counts) allocated once for up to ``rows`` rows of up to ``width``
-    values, and the histograms zeroed once and then by the write pass that reads them last, so that a chunk costs
-    its 11 kernel launches and no allocation or memset. At 128K tokens a Llama-shaped selection has ~250 chunks and
-    the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md, run 8)."""
-
-    def __init__(self, rows: int, width: int, device, *, chunk: int | None = None):
-        self.chunk = chunk
-        c_max = triton.cdiv(width, chunk or SELECT_CHUNK)
-        self.hist = torch.zeros(rows, NHIST, dtype=torch.int32, device=device)
-        self.state = torch.empty(rows, 8, dtype=torch.int32, device=device)
-        self.cnt = torch.empty(rows * c_max * 2, dtype=torch.int32, device=device)
-
-    def __call__(self, vals: torch.Tensor, meta: torch.Tensor, kc: int, out: torch.Tensor, *, out_rows: int = 1,
-                 mass: float | None = None) -> None:
-        """Row ``r`` of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) keeps its top ``meta[r, 2]`` values
-        (exact; ties at the threshold: the earliest positions) as ascending positions plus ``meta[r, 0]``, written
-        with -1 padding to ``kc`` into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]``
-        of a 3-d view, last dim contiguous). ``meta [R, 4]`` int32 on the device: (offset, W, count, 0) per row;
-        ``kc >= `` every count; ``mass``: as :func:`row_topk`'s."""
-        R, W = vals.shape
-        assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
-        assert out.dim() == 3 and out.stride(-1) == 1 and out.shape[0] * out_rows >= R and out.shape[-1] >= kc
-        assert R <= self.hist.shape[0]
-        ch = self.chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
-        C = triton.cdiv(W, ch)
-        assert R * C * 2 <= self.cnt.numel()
-        bound = float(mass or 0.0)
-        _hist_kernel[(C, R)](vals, meta, self.hist, W, bound, CH=ch, NHIST=NHIST)
-        _radix_passes(vals, meta, self.hist, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
-                      stride_og=out.stride(0), stride_or=out.stride(1), State=self.state, Cnt=self.cnt,
-                      zero_hist=True)
+def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: int, out: torch.Tensor, *,
+              out_rows: int = 1, mass: float | None = None, chunk: int | None = None) -> None:
+    """Row ``r`` of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) keeps its top ``meta[r, 2]`` values
+    (exact; ties at the threshold: the earliest positions) as ascending positions plus ``meta[r, 0]``, written with
+    -1 padding to ``kc`` straight into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]`` of
+    a 3-d view whose last dim is contiguous: a chunk of a prefill selection's rows in place). ``meta [R, 4]`` int32
+    on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed; ``kc >=`` every count;
+    ``mass``: as :func:`row_topk`'s. No allocation or write-back per call beyond the kernels: a prefill selection at
+    128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md)."""
+    R, W = vals.shape
+    assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
+    assert hist.shape == (R, NHIST) and hist.dtype == torch.int32 and hist.is_contiguous()
+    assert out.dim() == 3 and out.stride(-1) == 1 and out.shape[0] * out_rows >= R and out.shape[-1] >= kc
+    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
+    C = triton.cdiv(W, ch)
+    bound = float(mass or 0.0)
+    _hist_kernel[(C, R)](vals, meta, hist, W, bound, CH=ch, NHIST=NHIST)
+    _radix_passes(vals, meta, hist, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
+                  stride_og=out.stride(0), stride_or=out.stride(1))
 
 
 def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
@@ -375,7 +353,7 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     meta[:, 1] = W
     meta[:, 2] = counts
     out = torch.empty(R, 1, kc, dtype=torch.long, device=dev)
-    RowSelect(R, W, dev, chunk=chunk)(vals, meta, kc, out, mass=mass)
+    rows_into(vals, meta, torch.zeros(R, NHIST, dtype=torch.int32, device=dev), kc, out, mass=mass, chunk=chunk)
     out = out[:, 0]
     return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
 
