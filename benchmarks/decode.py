@@ -186,7 +186,6 @@ def make(B, HQ, H, N, D, dev, seed=0):
 
 
 def measure(B, HQ, H, N, D, dev, cfg, eager=True):
-    find_once_default = topk.FIND_ONCE_PROGRAMS
     q, k, v = make(B, HQ, H, N, D, dev)
     scale = D**-0.5
     meta = td.decode_meta(B, device=dev, q_offset=N - 1, budget=BUDGET)
@@ -209,11 +208,6 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["select_radix"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
     t["select_topk"] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method="topk",
                                                       **sc))
-    # the radix selection with the bin search in every program and once per row (topk.FIND_ONCE_PROGRAMS picks)
-    for name, always in (("select_radix_find_each", False), ("select_radix_find_once", True)):
-        topk.FIND_ONCE_PROGRAMS = 0 if always else 1 << 62
-        t[name] = bench(lambda: td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc))
-    topk.FIND_ONCE_PROGRAMS = find_once_default
     t.update(pool_parts(q, k, meta, scale, sc, ch))
     # at full size: the radix selection (defaults) keeps the same keys as torch.topk (rows identical as sets)
     a = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc).indices
@@ -269,11 +263,12 @@ def pool_parts(q, k, meta, scale, sc, ch):
                                            sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
     chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
+    state = torch.empty(B * H, 8, dtype=torch.int32, device=q.device)
 
     def pool(hist):
         Hist.zero_()
         topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
-            Sc, Mx, Ls, meta.tensor, pooled, Hist, meta.n_max, S, H=H, G=HQ // H,
+            Sc, Mx, Ls, meta.tensor, pooled, Hist, state, meta.n_max, S, H=H, G=HQ // H,
             GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
             HIST=hist)
 
@@ -396,8 +391,7 @@ def main():
         t = r["times_us"]
         log(f"{model} B={B} N={N}: dense {t['dense']:.1f} (sdpa {t['sdpa']:.1f}, ours {t['dense_ours']:.1f}) "
             f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
-            f"select radix {t['select_radix']:.1f} (find each {t['select_radix_find_each']:.1f}, once "
-            f"{t['select_radix_find_once']:.1f}) topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
+            f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
             f"pool nohist/hist {t['pool_nohist']:.1f}/{t['pool_hist']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()

@@ -35,7 +35,6 @@ from kascade.costs_measure import cuda_us
 from kascade.ops import reference
 from kascade.ops.selection import Selection
 from kascade.ops.triton import prefill as tp
-from kascade.ops.triton import topk
 
 BUDGET = Budget(ratio=0.1, k_min=128, tile=32)
 MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -230,11 +229,6 @@ def measure(name, HQ, H, D, N, flex):
     del sel_t
     row["select_given_lse_topk"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                   method="topk"))
-    once = topk.FIND_ONCE_PROGRAMS
-    topk.FIND_ONCE_PROGRAMS = 1 << 62  # the bin search in every program instead of once per row
-    row["select_given_lse_radix_find_each"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                                             method="radix"))
-    topk.FIND_ONCE_PROGRAMS = once
     tp.TOPK_BOUND = False  # the radix top-k without the exponent window (every pass over the whole pattern)
     row["select_given_lse_radix_nobound"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                            method="radix"))

@@ -78,9 +78,7 @@ def variants():
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
     yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3
     for level in (2, 3, 5):
-        yield f"topk find L{level}", topk._find_kernel, dict(H=8, NHIST=topk.NHIST, LEVEL=level), 4, 3
-        yield (f"topk radix L{level}", topk._radix_kernel,
-               dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level, FOUND=level == 3), 4, 3)
+        yield f"topk radix L{level}", topk._radix_kernel, dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level), 4, 3
     yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
 
 

@@ -125,14 +125,11 @@ def test_decode_kernels_match_reference(case):
 
 
 @pytest.mark.parametrize("scores", ["four-levels", "peaked"])
-@pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
-def test_radix_selection_breaks_exact_ties_by_position(find_once, scores, monkeypatch):
+def test_radix_selection_breaks_exact_ties_by_position(scores):
     """Scores drawn from a few levels, so the pooled probabilities tie exactly, across several selection chunks:
-    the radix select keeps every key above the k-th value and the earliest keys equal to it; the bin search once
-    per row (a kernel of its own) or in every program. "peaked": a few keys hold nearly all the mass and the k-th
+    the radix select keeps every key above the k-th value and the earliest keys equal to it. "peaked": a few keys hold nearly all the mass and the k-th
     key's probability (~2^-90) lies far below the first histogram's exponent window, so the fallback path (the
     whole bit pattern radixed from the top) decides."""
-    monkeypatch.setattr(topk, "FIND_ONCE_PROGRAMS", 0 if find_once else 1 << 62)
     B, H, G, D = 2, 2, 3, 64
     N = 700
     n = [N, 333]

@@ -244,17 +244,14 @@ def test_rows_into_writes_offset_slots_into_strided_rows():
 
 
 @pytest.mark.parametrize("mass", ["row-sum", "none", "too-small"])
-@pytest.mark.parametrize("find_once", [True, False], ids=["find-once", "find-per-program"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
-def test_row_topk_is_exact_with_ties_and_padding(ranked, find_once, mass, monkeypatch):
+def test_row_topk_is_exact_with_ties_and_padding(ranked, mass):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
-    threshold (ties go to the earliest positions), values of very different magnitudes; the bin search once per row
-    (a kernel of its own) or in every program. ``mass``: a true bound of the rows' sums (the exponent window decides
+    threshold (ties go to the earliest positions), values of very different magnitudes, several programs per row
+    (the last one to finish each pass makes the next pass's bin search). ``mass``: a true bound of the rows' sums (the exponent window decides
     most rows), none (the fallback path for every row) or one far too small (the k-th key above the window: the
     fallback again); all exact."""
-    monkeypatch.setattr(topk, "FIND_ONCE_PROGRAMS", 0 if find_once else 1 << 62)
-
     g = torch.Generator().manual_seed(5)
     R, W = 12, sized(300) + 7
     vals = torch.rand(R, W, generator=g) ** 8  # many exponents

@@ -10,8 +10,8 @@
   row per "sequence"; what :func:`kascade.ops.triton.prefill.select_prefill` uses by default), or ``torch.topk``
   (``method="topk"``).
 
-Between the passes, with many programs, a program per row finds the bin holding the row's k-th element
-(FIND_ONCE_PROGRAMS).
+Between the passes, the last program of each row to finish a histogram (an atomic ticket) finds the bin holding
+the row's k-th element for the next pass: no launch of its own, no search repeated per program.
 
 Kernels and launchers only: they assert, they do not validate.
 """
@@ -36,18 +36,15 @@ import triton.language as tl
 # tl.histogram with 4096 bins (docs/benchmarks/decode.md).
 FIRST_BITS = 2
 FIRST_BINS = 64 << FIRST_BITS
-# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's, then
-# three refining histograms of 4096.
-NHIST = FIRST_BINS + 3 * 4096
+# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's, three
+# refining histograms of 4096, then the tickets of the passes (one counter per level, see _last_finds).
+TICKETS = FIRST_BINS + 3 * 4096
+NHIST = TICKETS + 8
 _FB = tl.constexpr(FIRST_BITS)  # the kernels' copies (a kernel reads only constexpr globals)
 _NB = tl.constexpr(FIRST_BINS)
+_TK = tl.constexpr(TICKETS)
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
-# The radix passes need the bin holding each row's k-th element. With many programs (rows x chunks) a program per
-# row finds it once before each pass; with few, every program finds it itself (two launches fewer, which is what
-# counts at B = 1). H200: once per row saves ~150 us of 3,300 at B=32, N=128K (16,384 programs) and costs ~4 us at
-# B=1, N=32K (128 programs); docs/benchmarks/decode.md.
-FIND_ONCE_PROGRAMS = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,10 +86,11 @@ def _first_histogram(Hrow, key, ok, e_hi, CH: tl.constexpr):
 
 
 @triton.jit
-def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
+def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
                  CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr):
-    """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram."""
+    """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram (then the
+    row's last program finds the bin of its k-th element)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // H
@@ -119,15 +117,17 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, sc_row, S,
     p = tl.where(pm, p, -1.0)  # below every probability: never selected by torch.topk
     tl.store(Pooled + row.to(tl.int64) * sc_row + pos, p, mask=pos < sc_row)
     if HIST:
-        e_hi = _bound_exp(tl.full([], G, tl.float32), tl.load(Meta + b * 4 + 2))  # a row's probabilities sum to G
+        mass = tl.full([], G, tl.float32)  # a row's probabilities sum to G
+        e_hi = _bound_exp(mass, tl.load(Meta + b * 4 + 2))
         _first_histogram(Hist + row * NHIST, p.to(tl.int32, bitcast=True), pm, e_hi, CH)
+        _last_finds(Meta, Hist, State, mass, row, tl.num_programs(0), H, NHIST, 2)
 
 
 @triton.jit
-def _hist_kernel(Vals, Meta, Hist, sc_row, mass, CH: tl.constexpr, NHIST: tl.constexpr):
+def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST: tl.constexpr):
     """The first radix histogram of one chunk of one row of candidate values (>= 0; -inf: not a candidate), for
     rows that come without a pooling pass (prefill's score buffer); a row's values sum to at most ``mass`` (<= 0:
-    no bound)."""
+    no bound). Then the row's last program finds the bin of its k-th element."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     n = tl.load(Meta + row * 4 + 1)
@@ -136,14 +136,15 @@ def _hist_kernel(Vals, Meta, Hist, sc_row, mass, CH: tl.constexpr, NHIST: tl.con
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
     _first_histogram(Hist + row * NHIST, key, pm & (key >= 0), e_hi, CH)  # -inf (any negative): no candidate
+    _last_finds(Meta, Hist, State, mass, row, tl.num_programs(0), 1, NHIST, 2)
 
 
 @triton.jit
 def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
     """The bin search before pass LEVEL (2-4: refining, 5: threshold counts), from the histogram of the pass
     before, into ``State`` (per row, 8 int32: two sets of (prefix, its number of known bits from bit 30 down, how
-    many keys equal to it are still needed) at 0 and 4). LEVEL writes set LEVEL % 2 and reads the other, so that
-    programs searching in one launch never read what another one writes. After LEVEL 5 (set 1) the prefix is the
+    many keys equal to it are still needed) at 0 and 4). LEVEL writes set LEVEL % 2 and reads the other, which the
+    programs of the pass before LEVEL (whose last program makes this search) are still reading. After LEVEL 5 (set 1) the prefix is the
     exact threshold. ``mass``: the bound the first histogram was counted under. Returns (prefix, known bits)."""
     hrow = Hist + row * NHIST
     rd = State + row * 8 + 4 * ((LEVEL + 1) % 2)
@@ -173,28 +174,28 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
 
 
 @triton.jit
-def _find_kernel(Meta, Hist, State, mass, H: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
-    """:func:`_find_level` once per row (with many programs: FIND_ONCE_PROGRAMS)."""
-    _find_level(Meta, Hist, State, mass, tl.program_id(0), H, NHIST, LEVEL)
+def _last_finds(Meta, Hist, State, mass, row, n_programs, H: tl.constexpr, NHIST: tl.constexpr,
+                LEVEL: tl.constexpr):
+    """After this program's histogram atomics: its ticket for the row (acquire-release, so the last program sees
+    every program's counts); the row's last program makes the bin search of LEVEL, which the next launch reads
+    from ``State``."""
+    t = tl.atomic_add(Hist + row * NHIST + _TK + LEVEL, 1, sem="acq_rel")
+    if t == n_programs - 1:
+        _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
 
 
 @triton.jit
 def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
-                  H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr,
-                  FOUND: tl.constexpr):
+                  H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
     """LEVEL 2-4: histogram of the next (up to 12) bits among the keys that share the prefix found so far (none
-    once all 31 are known). LEVEL 5: count, per chunk, the keys above the exact threshold and equal to it.
-    FOUND: ``State`` already holds this level's bin search (:func:`_find_kernel`); else every program makes it
-    (and stores the same values)."""
+    once all 31 are known), then the row's last program finds the bin for LEVEL + 1. LEVEL 5: count, per chunk,
+    the keys above the exact threshold and equal to it."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // H
     n = tl.load(Meta + b * 4 + 1)
-    if FOUND:
-        prefix = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 0)
-        known = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 1)
-    else:  # (the bin search reads State written by the previous level's launch, never by this one)
-        prefix, known = _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
+    prefix = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 0)  # this level's bin search (the launch before's)
+    known = tl.load(State + row * 8 + 4 * (LEVEL % 2) + 1)
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
     if LEVEL < 5:
@@ -205,6 +206,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
             digit = (key >> (31 - known - bits)) & ((1 << bits) - 1)
             tl.atomic_add(Hist + row * NHIST + _NB + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
                           mask=match, sem="relaxed")
+        _last_finds(Meta, Hist, State, mass, row, C, H, NHIST, LEVEL + 1)
     else:
         key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)
         gt = tl.sum((pm & (key > prefix)).to(tl.int32), 0)
@@ -254,19 +256,16 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX, out_rows, stri
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, mass, out, sc_row, rows, H, ch, C, KMAX, paged, *, out_rows=1, stride_og=None,
-                  stride_or=0):
-    """After the first histogram (counted under the bound ``mass``): the refining passes, the per-chunk counts at
-    the exact threshold and the ordered write of each row's top keys (``KMAX`` slots) into ``out``, row ``r`` at
-    ``(r // out_rows) * stride_og + (r % out_rows) * stride_or`` (default: ``rows`` contiguous rows of ``KMAX``)."""
-    State = torch.empty(rows, 8, dtype=torch.int32, device=vals.device)
+def _radix_passes(vals, meta, Hist, State, mass, out, sc_row, rows, H, ch, C, KMAX, paged, *, out_rows=1,
+                  stride_og=None, stride_or=0):
+    """After the first histogram (counted under the bound ``mass``, its bin search in ``State [rows, 8]``): the
+    refining passes, the per-chunk counts at the exact threshold and the ordered write of each row's top keys
+    (``KMAX`` slots) into ``out``, row ``r`` at ``(r // out_rows) * stride_og + (r % out_rows) * stride_or``
+    (default: ``rows`` contiguous rows of ``KMAX``)."""
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
-    once = rows * C >= FIND_ONCE_PROGRAMS
     for level in (2, 3, 4, 5):
-        if once:
-            _find_kernel[(rows,)](meta, Hist, State, mass, H=H, NHIST=NHIST, LEVEL=level)
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
-                                 LEVEL=level, FOUND=once)
+                                 LEVEL=level)
     _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows,
                              KMAX if stride_og is None else stride_og, stride_or, H=H, CH=ch,
                              C_PAD=triton.next_power_of_2(C), PAGED=paged)
@@ -288,14 +287,15 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     C = triton.cdiv(meta.n_max, ch)
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
+    State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
-    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, sc_row, S, H=H, G=G,
+    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
                             GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
                             HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
-        _radix_passes(Pooled, meta.tensor, Hist, float(G), indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
+        _radix_passes(Pooled, meta.tensor, Hist, State, float(G), indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
         if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
@@ -330,8 +330,9 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
     C = triton.cdiv(W, ch)
     bound = float(mass or 0.0)
-    _hist_kernel[(C, R)](vals, meta, hist, W, bound, CH=ch, NHIST=NHIST)
-    _radix_passes(vals, meta, hist, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
+    State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
+    _hist_kernel[(C, R)](vals, meta, hist, State, W, bound, CH=ch, NHIST=NHIST)
+    _radix_passes(vals, meta, hist, State, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
                   stride_og=out.stride(0), stride_or=out.stride(1))
 
 
