@@ -443,8 +443,6 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     # (only those shapes change; not timed)
     ns = num_stages or (1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2)
     sms = num_sms(dev)
-    budgets_t = budgets_host.to(dev)  # [B, R]
-    start_t = host_start.to(dev)
 
     def width(r1):  # keys before the last tile of rows [.., r1): the chunk's buffer row length
         w = max(((t_first[b] + min(r1, count[b]) - 1) * T if count[b] > 0 else 0) for b in range(B))
@@ -493,6 +491,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         full[..., 2] = budgets_host[:, None, :]
         meta_host = torch.cat([full[:, :, r0:r1].reshape(-1, 4) for r0, r1, _, _ in chunks])
         meta_all = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host.to(dev)
+    else:
+        budgets_t, start_t = budgets_host.to(dev), host_start.to(dev)  # [B, R], [B]
     m0 = 0
     for r0, r1, W, kc in chunks:
         C = r1 - r0
