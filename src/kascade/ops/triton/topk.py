@@ -144,8 +144,9 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
     """The bin search before pass LEVEL (2-4: refining, 5: threshold counts), from the histogram of the pass
     before, into ``State`` (per row, 8 int32: two sets of (prefix, its number of known bits from bit 30 down, how
     many keys equal to it are still needed) at 0 and 4). LEVEL writes set LEVEL % 2 and reads the other, which the
-    programs of the pass before LEVEL (whose last program makes this search) are still reading. After LEVEL 5 (set 1) the prefix is the
-    exact threshold. ``mass``: the bound the first histogram was counted under. Returns (prefix, known bits)."""
+    programs of the pass before LEVEL (whose last program makes this search) are still reading. After LEVEL 5
+    (set 1) the prefix is the exact threshold. ``mass``: the bound the first histogram was counted under. Returns
+    (prefix, known bits)."""
     hrow = Hist + row * NHIST
     rd = State + row * 8 + 4 * ((LEVEL + 1) % 2)
     wr = State + row * 8 + 4 * (LEVEL % 2)
@@ -321,8 +322,8 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     -1 padding to ``kc`` straight into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]`` of
     a 3-d view whose last dim is contiguous: a chunk of a prefill selection's rows in place). ``meta [R, 4]`` int32
     on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed; ``kc >=`` every count;
-    ``mass``: as :func:`row_topk`'s. No allocation or write-back per call beyond the kernels: a prefill selection at
-    128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md)."""
+    ``mass``: as :func:`row_topk`'s. No memset, copy or write-back launches beside the kernels: a prefill selection
+    at 128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md)."""
     R, W = vals.shape
     assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
     assert hist.shape == (R, NHIST) and hist.dtype == torch.int32 and hist.is_contiguous()
