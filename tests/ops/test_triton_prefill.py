@@ -249,8 +249,8 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, mass):
     """The radix select over rows of candidates (prefill's top-k, method="radix") against a sort on the host: rows
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
     threshold (ties go to the earliest positions), values of very different magnitudes, several programs per row
-    (the last one to finish each pass makes the next pass's bin search). ``mass``: a true bound of the rows' sums (the exponent window decides
-    most rows), none (the fallback path for every row) or one far too small (the k-th key above the window: the
+    (the last one to finish each pass makes the next pass's bin search). ``mass``: a true bound of the rows' sums
+    (the exponent window decides most rows), none (the fallback path for every row) or one far too small (the k-th key above the window: the
     fallback again); all exact."""
     g = torch.Generator().manual_seed(5)
     R, W = 12, sized(300) + 7
