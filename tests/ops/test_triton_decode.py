@@ -129,8 +129,8 @@ def test_radix_selection_breaks_exact_ties_by_position(scores):
     """Scores drawn from a few levels, so the pooled probabilities tie exactly, across several selection chunks:
     the radix select keeps every key above the k-th value and the earliest keys equal to it (several programs per
     row: the last one to finish each pass makes the next pass's bin search). "peaked": a few keys hold nearly all
-    the mass and the k-th key's probability (~2^-90) lies far below the first histogram's exponent window, so the fallback path (the
-    whole bit pattern radixed from the top) decides."""
+    the mass and the k-th key's probability (~2^-90) lies far below the first histogram's exponent window, so the
+    fallback path (the whole bit pattern radixed from the top) decides."""
     B, H, G, D = 2, 2, 3, 64
     N = 700
     n = [N, 333]

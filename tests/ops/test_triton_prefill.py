@@ -250,8 +250,8 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, mass):
     with -inf tails (keys at or after the tile), counts from 0 to every candidate, runs of equal values across the
     threshold (ties go to the earliest positions), values of very different magnitudes, several programs per row
     (the last one to finish each pass makes the next pass's bin search). ``mass``: a true bound of the rows' sums
-    (the exponent window decides most rows), none (the fallback path for every row) or one far too small (the k-th key above the window: the
-    fallback again); all exact."""
+    (the exponent window decides most rows), none (the fallback path for every row) or one far too small (the
+    k-th key above the window: the fallback again); all exact."""
     g = torch.Generator().manual_seed(5)
     R, W = 12, sized(300) + 7
     vals = torch.rand(R, W, generator=g) ** 8  # many exponents
