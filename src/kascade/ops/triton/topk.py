@@ -180,6 +180,9 @@ def _last_finds(Meta, Hist, State, mass, row, n_programs, H: tl.constexpr, NHIST
     """After this program's histogram atomics: its ticket for the row (acquire-release, so the last program sees
     every program's counts); the row's last program makes the bin search of LEVEL, which the next launch reads
     from ``State``."""
+    # Every thread's histogram atomics come before the one thread's ticket (a CTA barrier; the release is then
+    # cumulative over them), and the last program's bin search after every program's ticket (the acquire).
+    tl.debug_barrier()
     t = tl.atomic_add(Hist + row * NHIST + _TK + LEVEL, 1, sem="acq_rel")
     if t == n_programs - 1:
         _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
