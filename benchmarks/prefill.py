@@ -113,64 +113,52 @@ def first_keys(sel: Selection) -> Selection:
 
 
 def sweep(results):
+    """Launch configurations at N = 32K, each timed (ms) into results["sweep_32k"] and printed; one that does not
+    compile is reported, not fatal."""
+    out = {}
+
+    def timed(name, fn):
+        try:
+            t = bench(fn)
+        except Exception as e:  # noqa: BLE001
+            t = float("nan")
+            log(f"sweep {name} failed:", repr(e)[:200])
+        out[name] = t
+        log(f"sweep {name}: {t:.2f} ms")
+
     HQ, H, D = MODELS["llama-3.1-8b"]
     N = 32768
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
-    out = {}
     for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
                            (128, 64, 4, 4)):
-        try:
-            t = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, block_m=bm, block_n=bn, num_warps=nw,
-                                               num_stages=ns))
-            t2 = bench(lambda: tp.prefill_lse(q, k, scale=sc, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-            t = t2 = float("nan")
-            log("sweep dense", bm, bn, nw, ns, "failed:", repr(e)[:200])
-        out[f"dense bm{bm} bn{bn} w{nw} s{ns}"] = (t, t2)
-        log(f"sweep dense bm{bm} bn{bn} w{nw} s{ns}: dense {t:.2f} ms, lse-only {t2:.2f} ms")
+        cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        timed(f"dense bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.dense_prefill(q, k, v, scale=sc, **cfg))
+        timed(f"lse-only bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.prefill_lse(q, k, scale=sc, **cfg))
     lse = tp.prefill_lse(q, k, scale=sc)
     for bn, nw, ns in ((128, 4, 3), (64, 8, 3), (32, 4, 3), (64, 4, 2)):
-        try:
-            t = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
-                                                num_stages=ns))
-        except Exception as e:  # noqa: BLE001
-            t = float("nan")
-            log("sweep select", bn, nw, ns, "failed:", repr(e)[:200])
-        out[f"select bn{bn} w{nw} s{ns}"] = t
-        log(f"sweep select (given lse) bn{bn} w{nw} s{ns}: {t:.2f} ms")
+        timed(f"select (given lse) bn{bn} w{nw} s{ns}", lambda: tp.select_prefill(
+            q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw, num_stages=ns))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
-    # bm: rows per program (None: the tile's 128 rows, which spill registers at D = 128 with 4 warps; 64: two programs
-    # per tile gathering the same keys, no spill; tests/ops/compile_sm90.py --resources)
     first = first_keys(sel)
-    # bm: rows per program (None: the tile's G * T). Triton 3.6 prefetches the gathered K / V rows an iteration
-    # ahead only from 5 stages on (the index load is a stage of its own); below, each iteration waits for its rows.
+    # bm: rows per program (None: the tile's G * T, which spills registers at D = 128 with 4 warps; 64: two programs
+    # per tile gathering the same keys, no spill). Triton 3.6 prefetches the gathered K / V rows a block ahead only
+    # from 5 stages on (the index load is a stage of its own).
     for bn, nw, ns, bm in ((64, 4, 3, None), (64, 4, 5, None), (64, 8, 5, None), (32, 4, 5, None), (32, 8, 5, None),
                            (32, 4, 6, None), (32, 8, 6, None), (64, 8, 6, None), (128, 8, 5, None), (64, 8, 3, None),
                            (64, 4, 5, 64), (64, 8, 5, 64)):
-        for name, s_ in (("", sel), (" first keys", first)):
-            if name and (bn, nw, ns, bm) not in ((64, 4, 3, None), (64, 8, 5, None)):
-                continue
-            try:
-                t = bench(lambda: tp.sparse_prefill(q, k, v, s_, scale=sc, block_n=bn, num_warps=nw, num_stages=ns,
-                                                    block_m=bm))
-            except Exception as e:  # noqa: BLE001
-                t = float("nan")
-                log("sweep sparse", bn, nw, ns, bm, "failed:", repr(e)[:200])
-            out[f"sparse{name} bn{bn} w{nw} s{ns} m{bm or 'tile'}"] = t
-            log(f"sweep sparse{name} bn{bn} w{nw} s{ns} m{bm or 'tile'}: {t:.2f} ms")
+        cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, block_m=bm)
+        timed(f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}", lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, **cfg))
+        if (bn, nw, ns, bm) in ((64, 4, 3, None), (64, 8, 5, None)):
+            timed(f"sparse first keys bn{bn} w{nw} s{ns} m{bm or 'tile'}",
+                  lambda: tp.sparse_prefill(q, k, v, first, scale=sc, **cfg))
     HQ, H, D = MODELS["smollm2-135m"]
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     for bn, nw, ns in ((64, 4, 3), (64, 4, 5), (64, 8, 5), (32, 4, 5), (128, 4, 5), (64, 4, 6)):
-        try:
-            t = bench(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
-        except Exception as e:  # noqa: BLE001
-            t = float("nan")
-            log("sweep sparse smollm2", bn, nw, ns, "failed:", repr(e)[:200])
-        out[f"smollm2 sparse bn{bn} w{nw} s{ns}"] = t
-        log(f"sweep smollm2 sparse bn{bn} w{nw} s{ns}: {t:.2f} ms")
+        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}",
+              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
     results["sweep_32k"] = out
 
 

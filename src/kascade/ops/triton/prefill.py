@@ -482,7 +482,6 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 hi_c = mid - 1
         chunks.append((r0, r0 + C, width(r0 + C), kmax(r0, r0 + C)))
         r0 += C
-    direct = direct and not _scores_only
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
         full = torch.zeros(B, H, R, 4, dtype=torch.int32)

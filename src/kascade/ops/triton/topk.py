@@ -260,19 +260,17 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX, out_rows, stri
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, State, mass, out, sc_row, rows, H, ch, C, KMAX, paged, *, out_rows=1,
-                  stride_og=None, stride_or=0):
+def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H, ch, C, KMAX, paged):
     """After the first histogram (counted under the bound ``mass``, its bin search in ``State [rows, 8]``): the
     refining passes, the per-chunk counts at the exact threshold and the ordered write of each row's top keys
-    (``KMAX`` slots) into ``out``, row ``r`` at ``(r // out_rows) * stride_og + (r % out_rows) * stride_or``
-    (default: ``rows`` contiguous rows of ``KMAX``)."""
+    (``KMAX`` slots) into ``out``, a 3-d view whose last dim is contiguous: row ``r`` at ``out[r // out_rows,
+    r % out_rows]``."""
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     for level in (2, 3, 4, 5):
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
                                  LEVEL=level)
-    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows,
-                             KMAX if stride_og is None else stride_og, stride_or, H=H, CH=ch,
-                             C_PAD=triton.next_power_of_2(C), PAGED=paged)
+    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1),
+                             H=H, CH=ch, C_PAD=triton.next_power_of_2(C), PAGED=paged)
 
 
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -299,7 +297,8 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
-        _radix_passes(Pooled, meta.tensor, Hist, State, float(G), indices, sc_row, rows, H, ch, C, KMAX, meta.paged)
+        _radix_passes(Pooled, meta.tensor, Hist, State, float(G), indices.view(rows, 1, KMAX), 1, sc_row, rows, H,
+                      ch, C, KMAX, meta.paged)
         if ranked:
             base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
             sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
@@ -336,8 +335,7 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     bound = float(mass or 0.0)
     State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
     _hist_kernel[(C, R)](vals, meta, hist, State, W, bound, CH=ch, NHIST=NHIST)
-    _radix_passes(vals, meta, hist, State, bound, out, W, R, 1, ch, C, kc, False, out_rows=out_rows,
-                  stride_og=out.stride(0), stride_or=out.stride(1))
+    _radix_passes(vals, meta, hist, State, bound, out, out_rows, W, R, 1, ch, C, kc, False)
 
 
 def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
