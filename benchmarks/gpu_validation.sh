@@ -21,7 +21,8 @@
 #   bench-old bench-new `kascade bench --device cuda` of both trees with BENCH_ARGS (default: llama8b shapes, 32K and
 #                       128K, B 1 and 8)
 # Benchmarks, only when named (each writes into $STATE/STEP/, packed with the logs):
-#   bench-prefill       benchmarks/prefill.py at PREFILL_NS (default 32768,131072), no sweep, no FlexAttention:
+#   bench-prefill       benchmarks/prefill.py at PREFILL_NS (default 32768,131072) and PREFILL_BATCHES (default 1), no
+#                       sweep, no FlexAttention:
 #                       the per-layer table, torch.topk and the radix top-k side by side
 #   bench-decode        benchmarks/decode.py --no-tune (DECODE_ARGS, e.g. --only llama-3.1-8b:1:131072,...)
 #   bench-jax           benchmarks/jax_bench.py: op-at-a-time and planned (kascade.jax.Attention) JAX paths
@@ -81,7 +82,7 @@ run_step() {
     bench-old) bench old "$old" ;;
     bench-new) bench new "$new" ;;
     bench-prefill) PYTHONPATH="$new" python3 "$here/prefill.py" --out "$state/$1" --ns "${PREFILL_NS:-32768,131072}" \
-                     --no-sweep --no-flex ;;
+                     --batches "${PREFILL_BATCHES:-1}" --no-sweep --no-flex ;;
     bench-decode) PYTHONPATH="$new" python3 "$here/decode.py" --out "$state/$1" --no-tune ${DECODE_ARGS:-} ;;
     bench-jax) PYTHONPATH="$new" python3 "$here/jax_bench.py" --out "$state/$1" ;;
     *) echo "unknown step $1; steps: ${all[*]}"; return 2 ;;

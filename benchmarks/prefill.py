@@ -1,11 +1,12 @@
 """Prefill attention per layer: dense baselines vs Kascade's layer 0, anchor and reuse layers (Triton), one GPU call.
 
-    python benchmarks/prefill.py [--out DIR] [--ns 8192,32768,65536,131072] [--no-sweep] [--no-flex]
+    python benchmarks/prefill.py [--out DIR] [--ns 8192,32768,65536,131072] [--batches 1,4] [--no-sweep] [--no-flex]
 
 1. Checks every Triton prefill kernel against the reference ops on small random cases (varied lengths, chunked
    prefill offset, G = 4 and 3, D = 128 and 64, bf16).
 2. Optionally sweeps a few launch configurations of the dense, scoring and sparse kernels at N = 32K (printed).
-3. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, B = 1,
+3. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, B in --batches
+   (default 1; every sequence N tokens),
    Budget(ratio=0.1, k_min=128, tile=32), N in --ns: per-layer times of dense cuDNN SDPA (the baseline), SDPA
    flash, FlexAttention (compiled; N <= 32K), our dense kernel, layer 0 (dense + LSE, then selection), anchor
    (selection with its own LSE pass, then sparse), reuse (sparse over the anchor's selection), and the model
@@ -97,11 +98,11 @@ def check():
 # ----------------------------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------------------------
-def inputs(HQ, H, D, N, seed=0):
+def inputs(HQ, H, D, N, seed=0, B=1):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, HQ, N, D, device="cuda", generator=g).to(DT)
-    k = torch.randn(1, H, N, D, device="cuda", generator=g).to(DT)
-    v = torch.randn(1, H, N, D, device="cuda", generator=g).to(DT)
+    q = torch.randn(B, HQ, N, D, device="cuda", generator=g).to(DT)
+    k = torch.randn(B, H, N, D, device="cuda", generator=g).to(DT)
+    v = torch.randn(B, H, N, D, device="cuda", generator=g).to(DT)
     return q, k, v
 
 
@@ -142,23 +143,27 @@ def sweep(results):
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     first = first_keys(sel)
     # bm: rows per program (None: the tile's G * T, which spills registers at D = 128 with 4 warps; 64: two programs
-    # per tile gathering the same keys, no spill). Triton 3.6 prefetches the gathered K / V rows a block ahead only
-    # from 5 stages on (the index load is a stage of its own).
-    for bn, nw, ns, bm in ((64, 4, 3, None), (64, 4, 5, None), (64, 8, 5, None), (32, 4, 5, None), (32, 8, 5, None),
-                           (32, 4, 6, None), (32, 8, 6, None), (64, 8, 6, None), (128, 8, 5, None), (64, 8, 3, None),
-                           (64, 4, 5, 64), (64, 8, 5, 64)):
-        cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, block_m=bm)
-        timed(f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}", lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, **cfg))
-        if (bn, nw, ns, bm) in ((64, 4, 3, None), (64, 8, 5, None)):
+    # per tile gathering the same keys, no spill). pf: the indices loaded an iteration ahead (prefetch), after which
+    # Triton 3.6 keeps num_stages - 1 blocks of gathered K / V rows in flight; without it one, and a block ahead
+    # only from 5 stages on (the index load is then a stage of its own).
+    for bn, nw, ns, bm, pf in ((64, 4, 3, None, False), (64, 4, 5, None, False), (64, 8, 5, None, False),
+                               (32, 4, 5, None, False), (64, 8, 3, None, False), (64, 4, 5, 64, False),
+                               (64, 4, 3, None, True), (32, 4, 3, None, True), (32, 4, 2, None, True),
+                               (64, 8, 3, None, True)):
+        cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, block_m=bm, prefetch=pf)
+        timed(f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}{' prefetch' if pf else ''}",
+              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, **cfg))
+        if (bn, nw, ns, bm, pf) in ((64, 4, 3, None, False), (64, 8, 5, None, False)):
             timed(f"sparse first keys bn{bn} w{nw} s{ns} m{bm or 'tile'}",
                   lambda: tp.sparse_prefill(q, k, v, first, scale=sc, **cfg))
     HQ, H, D = MODELS["smollm2-135m"]
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
-    for bn, nw, ns in ((64, 4, 3), (64, 4, 5), (64, 8, 5), (32, 4, 5), (128, 4, 5), (64, 4, 6)):
-        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}",
-              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns))
+    for bn, nw, ns, pf in ((64, 4, 6, False), (64, 4, 3, False), (32, 4, 5, False), (64, 4, 4, True),
+                           (64, 4, 3, True), (128, 4, 3, True), (32, 4, 4, True)):
+        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}",
+              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf))
     results["sweep_32k"] = out
 
 
@@ -171,13 +176,13 @@ def flex_fn(q, k, v):
     return lambda: fx(q, k, v, block_mask=bm, enable_gqa=True)
 
 
-def measure(name, HQ, H, D, N, flex):
+def measure(name, HQ, H, D, N, flex, B=1):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = inputs(HQ, H, D, N, seed=N)
+    q, k, v = inputs(HQ, H, D, N, seed=N, B=B)
     sc = D**-0.5
     G = HQ // H
-    row = dict(model=name, HQ=HQ, H=H, D=D, N=N)
+    row = dict(model=name, B=B, HQ=HQ, H=H, D=D, N=N)
     ke = k.repeat_interleave(G, 1)
     ve = v.repeat_interleave(G, 1)
     for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
@@ -225,7 +230,7 @@ def measure(name, HQ, H, D, N, flex):
         q, k, v, tp.select_prefill(q, k, budget=BUDGET, scale=sc, method="topk"), scale=sc))
     row["indices_mb"] = sel.indices.numel() * sel.indices.element_size() / 2**20
     kept = int((sel.indices >= 0).sum())
-    row["kept_frac_of_causal"] = kept * BUDGET.tile / (H * N * (N + 1) / 2)  # selected (query, key) pairs
+    row["kept_frac_of_causal"] = kept * BUDGET.tile / (B * H * N * (N + 1) / 2)  # selected (query, key) pairs
     del sel, out, lse
     # Peak extra memory of the anchor path beyond its inputs and outputs: the selection stage (LSE, score buffer,
     # top-k temporaries) minus the returned indices; the sparse stage allocates only its output.
@@ -253,6 +258,7 @@ def main():
     ap.add_argument("--ns", default="8192,32768,65536,131072")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -265,11 +271,11 @@ def main():
     log(f"checks done at {time.time() - t_start:.0f} s")
     rows = []
     for name, (HQ, H, D) in MODELS.items():
-        for N in [int(x) for x in args.ns.split(",")]:
+        for B, N in [(int(b), int(n)) for b in args.batches.split(",") for n in args.ns.split(",")]:
             try:
-                r = measure(name, HQ, H, D, N, flex=not args.no_flex and N <= 32768 and name.startswith("llama"))
+                r = measure(name, HQ, H, D, N, flex=not args.no_flex and N <= 32768 and name.startswith("llama"), B=B)
             except Exception as e:  # noqa: BLE001 - keep the rest of the table
-                log("measure failed", name, N, repr(e)[:300])
+                log("measure failed", name, B, N, repr(e)[:300])
                 continue
             rows.append(r)
             log(json.dumps(r))
@@ -284,15 +290,15 @@ def main():
     with open(os.path.join(args.out, "prefill.json"), "w") as f:
         json.dump(results, f, indent=1)
     cols = ["cudnn", "sdpa_flash", "flex", "triton_dense", "layer0", "anchor", "anchor_topk", "reuse", "model_avg"]
-    lines = [header, f"Budget(ratio=0.1, k_min=128, tile=32), bf16, B=1; ms (x = ratio to cuDNN)", "",
-             "| model | N | " + " | ".join(cols) + " | model speedup | anchor extra MB | indices MB |",
-             "|" + "---|" * (len(cols) + 5)]
+    lines = [header, f"Budget(ratio=0.1, k_min=128, tile=32), bf16; ms (x = ratio to cuDNN)", "",
+             "| model | B | N | " + " | ".join(cols) + " | model speedup | anchor extra MB | indices MB |",
+             "|" + "---|" * (len(cols) + 6)]
     for r in rows:
         cells = []
         for c in cols:
             t = r.get(c)
             cells.append("-" if t is None or t != t else f"{t:.2f}" + (f" ({t / r['cudnn']:.2f}x)" if c != "cudnn" else ""))
-        lines.append(f"| {r['model']} | {r['N']} | " + " | ".join(cells)
+        lines.append(f"| {r['model']} | {r['B']} | {r['N']} | " + " | ".join(cells)
                      + f" | {r['model_speedup']:.2f}x | {r['anchor_extra_mb']:.0f} | {r['indices_mb']:.0f} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "prefill.md"), "w") as f:

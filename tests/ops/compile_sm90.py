@@ -70,10 +70,10 @@ def variants():
                dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False,
                     NHIST=topk.NHIST, ZERO_HIST=True), 4, 1 if NSUB > 1 and D > 64 else 3)
         M, NRB = tp._tile_rows(G, T)
-        bn, nw, ns = tp._sparse_config(D)
+        bn, nw, ns, ahead = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
-               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True),
-               nw, ns)
+               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
+                    PREFETCH=ahead), nw, ns)
     ch = topk.SELECT_CHUNK
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
     yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3

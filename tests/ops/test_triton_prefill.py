@@ -103,13 +103,14 @@ def test_prefill_kernels_match_reference(case):
             sel = type(sel)(sel.indices.long(), sel.row_start, sel.tile, sel.decode)
         check_prefill_selection(sel, want_sel, pooled, kv_start, q_offset, L, budget, f"select/{what}")
 
-    # sparse over the reference's selection, int64 and int32 indices
+    # sparse over the reference's selection, int64 and int32 indices, each block's indices loaded in its iteration
+    # or the iteration before (prefetch; the launcher picks one per head dim)
     want = reference.sparse_attention(q64, k64, v64, want_sel, **pos)
     lowp = reference.sparse_attention(q, k, v, want_sel, **pos)
-    for idt in (torch.int64, torch.int32):
+    for idt, prefetch in ((torch.int64, False), (torch.int32, False), (torch.int32, True)):
         s = type(want_sel)(want_sel.indices.to(idt), want_sel.row_start, want_sel.tile, False)
-        got = tp.sparse_prefill(qd, kk, vv, dev_selection(s), out=nan_like(qd), **pos, **blk)
-        check_close(got, want, lowp, f"sparse {idt}", floor=1e-5)
+        got = tp.sparse_prefill(qd, kk, vv, dev_selection(s), out=nan_like(qd), prefetch=prefetch, **pos, **blk)
+        check_close(got, want, lowp, f"sparse {idt}{' prefetch' if prefetch else ''}", floor=1e-5)
 
     # the anchor path end to end: its output over its own selection
     out_a, sel_a = tp.anchor_prefill(qd, kk, vv, budget=budget, **pos)
@@ -170,6 +171,48 @@ def test_selection_chunks_bound_the_buffer(monkeypatch):
     assert len(sizes) > 2, "the small bound should split the tiles into several chunks"
     assert max(sizes) <= 8192
     assert torch.equal(one.indices, many.indices)
+
+
+def test_selection_scratch_stays_within_the_bound(monkeypatch):
+    """Everything the selection allocates besides its result -- the LSE it computes, the per-row metadata of all
+    chunks, and each chunk's score buffer, histograms, bin-search state and counts -- adds up to at most
+    max_chunk_bytes (less its 1/64 reserve), for bounds that make a few chunks or many."""
+    B, H, G, D, T = 2, 2, 2, 64, 16
+    N = sized(200)
+    g = torch.Generator().manual_seed(6)
+    q = dev(torch.randn(B, H * G, N, D, generator=g).to(torch.float16))
+    k = dev(torch.randn(B, H, N, D, generator=g).to(torch.float16))
+    budget = Budget(ratio=0.25, k_min=4, tile=T)
+    want = tp.select_prefill(q, k, budget=budget, scale=D**-0.5)
+    lse_bytes = 4 * B * H * G * N
+    row = 4 * topk.NHIST + 4 * N + 64  # a chunk row's histograms and buffer, about
+    for bound in (lse_bytes + 3 * B * H * row, lse_bytes + 7 * B * H * row):
+        allocs = []
+        real_empty, real_zeros = torch.empty, torch.zeros
+
+        def spy(real):
+            def make(*shape, **kw):
+                t = real(*shape, **kw)
+                allocs.append((t.dtype, tuple(t.shape), t.numel() * t.element_size()))
+                return t
+            return make
+
+        monkeypatch.setattr(torch, "empty", spy(real_empty))
+        monkeypatch.setattr(torch, "zeros", spy(real_zeros))
+        got = tp.select_prefill(q, k, budget=budget, scale=D**-0.5, max_chunk_bytes=bound)
+        monkeypatch.undo()
+        assert torch.equal(got.indices.cpu(), want.indices.cpu())
+        # the allocations in order: the LSE, the metadata, then per chunk its buffer [B, H, C, W] and the rest
+        fixed, chunks = 0, []
+        for dtype, shape, nbytes in allocs:
+            if dtype == torch.float32 and len(shape) == 4 and shape[:2] == (B, H):
+                chunks.append(nbytes)  # a chunk's score buffer opens its group
+            elif chunks:
+                chunks[-1] += nbytes
+            else:
+                fixed += nbytes
+        assert len(chunks) > 1 and fixed >= lse_bytes
+        assert fixed + max(chunks) <= bound - bound // 64, (bound, fixed, max(chunks))
 
 
 def test_sparse_prefill_with_counts_attends_each_rows_prefix():

@@ -224,8 +224,13 @@ def _sparse_kernel(
     L, q_offset, n_idx, qk_scale,
     G: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NRB: tl.constexpr,
     BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, HAS_CNT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T."""
+    """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T.
+    PREFETCH: each block's indices are loaded an iteration ahead, into registers; the gathered K / V rows then no
+    longer depend on a load of the same iteration, and Triton's pipeliner keeps them ``num_stages - 1`` blocks in
+    flight (without it: one, issued at the end of the iteration before) at the price of that much more shared
+    memory per program."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles (larger budgets) first
     r = pid // NRB
     rb = pid % NRB
@@ -267,10 +272,16 @@ def _sparse_kernel(
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
         # ---- selected keys (all strictly before the tile) ----
+        if PREFETCH:
+            nxt = tl.load(idx_row + offs_n, mask=offs_n < n_row, other=0)
         for kb in range(0, nblk):
             j = kb * BLOCK_N + offs_n
             ok = j < n_row
-            slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)
+            if PREFETCH:
+                slot = nxt.to(tl.int64)
+                nxt = tl.load(idx_row + j + BLOCK_N, mask=j + BLOCK_N < n_row, other=0)
+            else:
+                slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
             vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             m_i, l_i, acc = _online_step(q, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, False)
@@ -324,13 +335,15 @@ def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int,
     return 64, 64, 4, 2
 
 
-def _sparse_config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the sparse kernel. H200 sweep at N = 32K (prefill.md, run 8): Llama
-    shapes (64, 4, 3) 2.89 ms, (64, 8, 5) 3.15, (32, 4, 5) 3.20, (64, 8, 3) 3.68; the default model's (D = 64)
-    (64, 4, 6) 0.72 ms, (32, 4, 5) 0.74, (64, 4, 5) 0.77, (64, 4, 3) 0.85."""
+def _sparse_config(D: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, PREFETCH) of the sparse kernel. H200 sweeps (prefill.md, runs 8-9): Llama
+    shapes (64, 4, 3) 2.89 ms at 32K, (64, 8, 5) 3.15, (32, 4, 5) 3.20, (64, 8, 3) 3.68; with PREFETCH every
+    configuration was slower (3.0-4.9 ms at 32K, 42-69 at 128K against 39.9: the K / V blocks then in flight cost
+    occupancy). The default model's (D = 64): with PREFETCH (64, 4, 4) 0.67 ms at 32K and 8.43 at 128K, against
+    0.73 and 9.00 for the earlier (64, 4, 6) without."""
     if D <= 64:
-        return 64, 4, 6
-    return (64, 4, 3) if D <= 128 else (32, 4, 2)
+        return 64, 4, 4, True
+    return (64, 4, 3, False) if D <= 128 else (32, 4, 2, False)
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
@@ -410,8 +423,12 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
     docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
 
-    Extra memory: the LSE (``4 * B * HQ * L`` bytes, when not given) plus at most ``max_chunk_bytes`` for the score
-    buffer of a chunk of tiles and its top-k temporaries, whatever ``N``; the returned indices are not counted."""
+    Extra memory, whatever ``N``: at most ``max_chunk_bytes`` in all for the LSE (``4 * B * HQ * L`` bytes, when not
+    given), the per-row metadata (16 bytes a row) and the score buffer of a chunk of tiles with its top-k
+    temporaries, less 1/64 of it kept for the caching allocator (which hands out a cached block up to 1 MiB larger
+    than asked for whole: ``torch.cuda.max_memory_allocated`` counts it); unless the LSE alone takes more than 3/4
+    of the bound (then the chunks still get 1/4), or one tile's rows alone exceed it. The returned indices are not
+    counted."""
     assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
@@ -419,14 +436,19 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     T = budget.tile
     dev = q.device
     ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
-    chunk_bytes = max_chunk_bytes
+    fixed = 0  # bytes of the bound taken before the chunks: the LSE if made here, the metadata
     if lse is None:
         lse = prefill_lse(q, k, scale=scale, kv_start=host_start, q_offset=q_offset, step=step, **lse_cfg)
-        chunk_bytes = max(max_chunk_bytes - lse.numel() * 4, max_chunk_bytes // 4)  # the LSE counts as extra too
+        fixed += lse.numel() * 4
     assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
     n_t = q_offset + L - host_start
     first_t, count_t = budget.tiles(n_t, L)
     R = int(count_t.max())
+    # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
+    # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
+    direct = method == "radix" and depth is None
+    fixed += 16 * B * H * R if direct else 0
+    chunk_bytes = max(max_chunk_bytes - max_chunk_bytes // 64 - fixed, max_chunk_bytes // 4)
     budgets_host = budget.row_counts(n_t, first_t, R, 1.0 if depth is None else depth)  # [B, R]
     t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
     K = int(budgets_host.max())
@@ -452,10 +474,6 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     # so the largest budget of rows [r0, r1) is that of the last real row: O(B) per query, where slicing the
     # lists cost O(B * rows) and, with ~2,000 chunks of a B=8, 128K prefill, seconds per anchor on the host.
     assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
-
-    # The radix select of unranked rows writes each chunk's slots straight into `indices` (topk.rows_into); the
-    # ranked rows and torch.topk go through temporaries and a write-back.
-    direct = method == "radix" and depth is None
 
     def row_bytes(w, kc):  # a buffer row and its top-k temporaries
         if method == "radix":  # histograms, per-chunk counts, the bin-search state; without `direct` the int64
@@ -526,12 +544,13 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
 
 def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
-                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None):
+                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None, prefetch=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
-    are in rank order: the order does not matter). ``-> [B, HQ, L, D]``."""
+    are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
+    each block's indices an iteration ahead. ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
@@ -544,8 +563,9 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
     f32, rne = flags(q)
     M, NRB = _tile_rows(G, T, block_m)
-    bn, nw, ns = _sparse_config(D)
+    bn, nw, ns, ahead = _sparse_config(D)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    ahead = ahead if prefetch is None else prefetch
     out = torch.empty_like(q) if out is None else out
     maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
     if counts is not None:
@@ -557,7 +577,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
         idx.stride(0), idx.stride(1), idx.stride(2), counts.stride(0) if counts is not None else 0,
         L, q_offset, KI, scale * LOG2E,
         G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
-        HAS_CNT=counts is not None, num_warps=nw, num_stages=ns,
+        HAS_CNT=counts is not None, PREFETCH=ahead, num_warps=nw, num_stages=ns,
     )
     for b, s in enumerate(host_start.tolist()):  # queries at padding slots belong to no tile
         if s > q_offset:
