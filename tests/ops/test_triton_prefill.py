@@ -215,6 +215,26 @@ def test_selection_scratch_stays_within_the_bound(monkeypatch):
         assert fixed + max(chunks) <= bound - bound // 64, (bound, fixed, max(chunks))
 
 
+def test_selection_makes_the_lse_a_group_of_sequences_at_a_time(monkeypatch):
+    """With a bound too small for the whole batch's LSE, the selection makes it for one sequence at a time (left
+    padding and chunked prefill included) and selects the same keys; each LSE made covers one sequence."""
+    case = (3, 2, 3, sized(90), sized(60), 64, 16, torch.bfloat16, True)
+    B, H, G, N, L, D, T, dt, _ = case
+    q64, k64, _, kv_start, q_offset = _inputs(case, 11)
+    q, k = dev(q64.to(dt)), dev(k64.to(dt))
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset, "budget": _budget(T)}
+    whole = tp.select_prefill(q, k, **pos)
+    assert tp._lse_group(B, H * G, L, 64 << 20) == B
+    made = []
+    real = tp.prefill_lse
+    monkeypatch.setattr(tp, "_lse_group", lambda *a: 1)
+    monkeypatch.setattr(tp, "prefill_lse", lambda q, *a, **kw: made.append(q.shape[0]) or real(q, *a, **kw))
+    grouped = tp.select_prefill(q, k, **pos)
+    assert made == [1] * B
+    assert torch.equal(grouped.indices.cpu(), whole.indices.cpu())
+    assert torch.equal(grouped.row_start.cpu(), whole.row_start.cpu())
+
+
 def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     """counts=: row r of sequence b attends only the first counts[b, r] entries of its index row, whatever their
     order (a ranked selection's prefix): the same output as the rows cut to that prefix, sorted, -1 padded."""

@@ -368,11 +368,11 @@ def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) 
                       write_lse=True, **cfg)[1]
 
 
-def _dense_run(q, k, v, *, scale, kv_start, q_offset, step, has_v, write_lse, out=None, block_m=None, block_n=None,
-               num_warps=None, num_stages=None):
+def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v, write_lse, out=None, block_m=None,
+               block_n=None, num_warps=None, num_stages=None, geometry=None):
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
-    ks, _, q_offset = _geometry(q, k, step, kv_start, q_offset)
+    ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
     f32, rne = flags(q)
     M0, bn, nw, ns = _dense_config(G, D, has_v, q.dtype == torch.float32)
     BQ, M = _rows(G, block_m or M0)
@@ -423,12 +423,14 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
     docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
 
-    Extra memory, whatever ``N``: at most ``max_chunk_bytes`` in all for the LSE (``4 * B * HQ * L`` bytes, when not
-    given), the per-row metadata (16 bytes a row) and the score buffer of a chunk of tiles with its top-k
-    temporaries, less 1/64 of it kept for the caching allocator (which hands out a cached block up to 1 MiB larger
-    than asked for whole: ``torch.cuda.max_memory_allocated`` counts it); unless the LSE alone takes more than 3/4
-    of the bound (then the chunks still get 1/4), or one tile's rows alone exceed it. The returned indices are not
-    counted."""
+    Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 1/64 of it kept for the caching
+    allocator (which hands out a cached block up to 1 MiB larger than asked for whole, and
+    ``torch.cuda.max_memory_allocated`` counts it). When the LSE is not given it is made for a group of sequences
+    at a time (:func:`_lse_group`: at most a quarter of the bound, or one sequence), and each group's selection
+    then holds its LSE (``4 * HQ * L`` bytes a sequence), its per-row metadata (16 bytes a row) and the score
+    buffer of a chunk of tiles with its top-k temporaries; the bound is exceeded only by a single sequence whose
+    LSE takes more than 3/4 of it (the chunks still get 1/4), or by one tile's rows alone. The returned indices are
+    not counted."""
     assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
@@ -436,26 +438,53 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     T = budget.tile
     dev = q.device
     ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
-    fixed = 0  # bytes of the bound taken before the chunks: the LSE if made here, the metadata
-    if lse is None:
-        lse = prefill_lse(q, k, scale=scale, kv_start=host_start, q_offset=q_offset, step=step, **lse_cfg)
-        fixed += lse.numel() * 4
-    assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
+    if lse is not None:
+        assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
     n_t = q_offset + L - host_start
     first_t, count_t = budget.tiles(n_t, L)
     R = int(count_t.max())
-    # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
-    # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
-    direct = method == "radix" and depth is None
-    fixed += 16 * B * H * R if direct else 0
-    chunk_bytes = max(max_chunk_bytes - max_chunk_bytes // 64 - fixed, max_chunk_bytes // 4)
     budgets_host = budget.row_counts(n_t, first_t, R, 1.0 if depth is None else depth)  # [B, R]
-    t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
     K = int(budgets_host.max())
     rs = first_t.to(torch.int32).to(dev)
     indices = torch.full((B, H, R, K), -1, dtype=index_dtype, device=dev)
     if K == 0:
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
+    cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
+               block_n=block_n, num_warps=num_warps, num_stages=num_stages, scores_only=_scores_only)
+    g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
+    for b0 in range(0, B, g):
+        sl = slice(b0, min(B, b0 + g))
+        if lse is None:
+            lse_g = prefill_lse(q[sl], k[sl], scale=scale, geometry=(ks[sl], host_start[sl], q_offset), **lse_cfg)
+            fixed = lse_g.numel() * 4
+        else:
+            lse_g, fixed = lse[sl], 0
+        _select_group(q[sl], k[sl], lse_g, ks[sl], rs[sl], host_start[sl], first_t[sl], count_t[sl],
+                      budgets_host[sl], indices[sl], fixed, **cfg)
+        del lse_g
+    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
+
+
+def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
+    """Sequences whose LSE a selection makes at once: as many as fit in a quarter of the scratch bound (a Llama-8B
+    sequence of 128K tokens takes 16 MB, the quarter of the default 64 MB), at least one."""
+    return max(1, min(B, (max_chunk_bytes // 4) // (4 * HQ * L)))
+
+
+def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
+                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, scores_only):
+    """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
+    ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
+    per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
+    B, HQ, H, G, L, D = _heads(q, k)
+    dev = q.device
+    R, K = indices.shape[2], indices.shape[3]
+    t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
+    # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
+    # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
+    direct = method == "radix" and depth is None
+    fixed += 16 * B * H * R if direct else 0
+    chunk_bytes = max(max_chunk_bytes - max_chunk_bytes // 64 - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
     M, NSUB = _tile_rows(G, T)
     bn = block_n or (64 if D <= 128 else 32)
@@ -527,7 +556,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 num_warps=nw, num_stages=ns,
             )
             mass = G * T if TOPK_BOUND else None  # a row pools G x T queries' probabilities
-            if _scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
+            if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
             elif direct:
                 topk.rows_into(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], hist, kc,
@@ -540,7 +569,6 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
                 del top
             del buf
         m0 += B * H * C
-    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
 
 
 def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
