@@ -406,6 +406,13 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
 TOPK_BOUND = True
 
 
+# The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
+# 1 MiB larger than asked for whole, and torch.cuda.max_memory_allocated counts the whole block; three allocations
+# of a selection may be that large (the LSE, a chunk's score buffer and its histograms): 3 MiB of the default 64 MiB.
+# (With 1/64 the H200 measured 64.5 MB at the default model's 32K shapes, docs/benchmarks/prefill.md run 9.)
+ALLOCATOR_RESERVE = 3 / 64
+
+
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
                    num_stages=None, method="radix", _scores_only=False, **lse_cfg) -> Selection:
@@ -423,9 +430,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
     docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
 
-    Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 1/64 of it kept for the caching
-    allocator (which hands out a cached block up to 1 MiB larger than asked for whole, and
-    ``torch.cuda.max_memory_allocated`` counts it). When the LSE is not given it is made for a group of sequences
+    Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 3/64 of it kept for the caching
+    allocator (:data:`ALLOCATOR_RESERVE`). When the LSE is not given it is made for a group of sequences
     at a time (:func:`_lse_group`: at most a quarter of the bound, or one sequence), and each group's selection
     then holds its LSE (``4 * HQ * L`` bytes a sequence), its per-row metadata (16 bytes a row) and the score
     buffer of a chunk of tiles with its top-k temporaries; the bound is exceeded only by a single sequence whose
@@ -484,7 +490,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
     direct = method == "radix" and depth is None
     fixed += 16 * B * H * R if direct else 0
-    chunk_bytes = max(max_chunk_bytes - max_chunk_bytes // 64 - fixed, max_chunk_bytes // 4)
+    chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
     M, NSUB = _tile_rows(G, T)
     bn = block_n or (64 if D <= 128 else 32)
