@@ -18,7 +18,7 @@
 Timing: triton.testing.do_bench(return_mode="median"), which flushes the L2 before every timed call; every op is
 captured in a CUDA graph and the graph replay is timed (how a serving engine runs decode: launch gaps between the
 small kernels are then the GPU's, not Python's). Eager times of the main ops are recorded too.
-Writes JSON to docs/benchmarks/decode.json, or under --out.
+Writes decode.json and the table decode_table.md to docs/benchmarks/, or under --out.
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def main():
             f"| {r['reuse_gathered_TBps']:.2f} "
             f"| {r['model_speedup']:.2f}x |")
     table = "\n".join(lines)
-    (out_dir / "decode.md").write_text(table + "\n")
+    (out_dir / "decode_table.md").write_text(table + "\n")
     log(table)
 
 

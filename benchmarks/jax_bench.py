@@ -17,7 +17,7 @@ For each configuration (shape, mode, batch, length; bf16, random inputs, 10% bud
 Each time is the mean of a loop of calls synchronised once (host dispatch included, as a decode loop pays it), the
 median of five loops after warm-up. Before timing, the JAX outputs are checked against the torch ops' (same kernels:
 equal) and, at the smallest configuration, against the JAX reference (dtype tolerance). Writes OUT/jax.json and
-OUT/jax.md after every configuration.
+OUT/jax_table.md after every configuration.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def write(result: dict, out: Path) -> None:
     notes = [n for r in result["rows"] for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:", *[f"- {n}" for n in notes]]
-    (out / "jax.md").write_text("\n".join(lines) + "\n")
+    (out / "jax_table.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None):

@@ -14,7 +14,7 @@
    path (beyond inputs and the returned indices, which are reported on their own).
 
 Timing: triton.testing.do_bench(return_mode="median") after a warm-up. Ratios are against cuDNN in the same run.
-Writes JSON to --out (default docs/benchmarks/prefill.json).
+Writes prefill.json and the table prefill_table.md under --out (default docs/benchmarks/).
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def main():
         lines.append(f"| {r['model']} | {r['B']} | {r['N']} | " + " | ".join(cells)
                      + f" | {r['model_speedup']:.2f}x | {r['anchor_extra_mb']:.0f} | {r['indices_mb']:.0f} |")
     table = "\n".join(lines)
-    with open(os.path.join(args.out, "prefill.md"), "w") as f:
+    with open(os.path.join(args.out, "prefill_table.md"), "w") as f:
         f.write(table + "\n")
     log(table)
     log(f"total {time.time() - t_start:.0f} s")

@@ -1,6 +1,7 @@
 """The GPU-only benchmark scripts (benchmarks/) do not run in CI; at least they must parse, so that a device call is
 never spent on a syntax error."""
 
+import ast
 import pathlib
 import py_compile
 import subprocess
@@ -18,3 +19,16 @@ def test_python_scripts_compile(path, tmp_path):
 @pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.sh")), ids=lambda p: p.name)
 def test_shell_scripts_parse(path):
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_tables_written_do_not_replace_the_documentation_pages():
+    """The scripts write their tables under --out, which for some defaults to docs/benchmarks/: no file name they
+    write (a ".md" string in their source) may be one of the hand-written pages there (prefill.py once wrote
+    prefill.md, decode.py decode.md, over the pages that explain every run)."""
+    docs = BENCHMARKS.parent / "docs" / "benchmarks"
+    pages = {p.name for p in docs.glob("*.md") if p.read_text().startswith("# ")}
+    assert {"prefill.md", "decode.md", "jax.md"} <= pages
+    for path in BENCHMARKS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".md"):
+                assert node.value not in pages, f"{path.name} writes {node.value}, a documentation page"
