@@ -212,7 +212,9 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     # at full size: the radix selection (defaults) keeps the same keys as torch.topk (rows identical as sets)
     a = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, chunk=ch, **sc).indices
     b = td.select_decode(q, k, budget=BUDGET, scale=scale, meta=meta, method="topk", **sc).indices
-    same = float((a.sort(-1).values == b.sort(-1).values).all(-1).float().mean())
+    a, b = a.sort(-1).values, b.sort(-1).values
+    same = float((a == b).all(-1).float().mean())
+    tie_gap = tie_gaps(q, k, scale, a, b)
     del a, b
     t["select"] = min(t["select_radix"], t["select_topk"])
     method = "radix" if t["select_radix"] <= t["select_topk"] else "topk"
@@ -240,7 +242,7 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     gathered = 2 * B * H * kb * D * 2
     r = {
         "B": B, "HQ": HQ, "H": H, "D": D, "N": N, "k": kb, "select_method": method,
-        "radix_rows_identical_to_topk": same,
+        "radix_rows_identical_to_topk": same, "radix_topk_worst_rel_gap": tie_gap,
         "times_us": t,
         "dense_TBps": kv_bytes / (t["dense"] * 1e-6) / 1e12,
         "reuse_gathered_TBps": gathered / (t["reuse"] * 1e-6) / 1e12,
@@ -250,6 +252,22 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     r["model_speedup"] = 32 * t["dense"] / (t["layer0"] + 4 * t["anchor"] + 27 * t["reuse"])
     del q, k, v
     return r
+
+
+def tie_gaps(q, k, scale, a, b, most=16):
+    """Where two selections of every key (``a``, ``b``: ``[B, H, 1, K]`` ascending slots, no padding) differ: the
+    worst relative gap between the pooled probability (fp32, torch) of a key in one and not the other and the k-th
+    largest of its row (the smallest that ``a`` kept); ~1e-6 or less is a tie within rounding, where either choice is
+    exact. 0.0 when they agree; over at most ``most`` rows."""
+    G = q.shape[1] // k.shape[1]
+    worst = 0.0
+    for bi, h, _ in (a != b).any(-1).nonzero().tolist()[:most]:
+        s = (q[bi, h * G:(h + 1) * G, 0].float() @ k[bi, h].float().T) * scale  # [G, N]: every key is valid
+        p = torch.softmax(s, -1).sum(0)
+        kth = p[a[bi, h, 0]].min()
+        sym = torch.tensor(sorted(set(a[bi, h, 0].tolist()) ^ set(b[bi, h, 0].tolist())), device=p.device)
+        worst = max(worst, float(((p[sym] - kth).abs() / kth).max()))
+    return worst
 
 
 def pool_parts(q, k, meta, scale, sc, ch):
