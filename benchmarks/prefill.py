@@ -160,6 +160,11 @@ def sweep(results):
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
+    lse = tp.prefill_lse(q, k, scale=sc)
+    # the scoring pass at G * T = 96 rows a tile: one block of 128 (a quarter of it padding) or three of 32
+    for rows in (None, 32):
+        timed(f"smollm2 scores only rows{rows or 'tile'}", lambda: tp.select_prefill(
+            q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, _scores_only=True))
     for bn, nw, ns, pf in ((64, 4, 6, False), (64, 4, 3, False), (32, 4, 5, False), (64, 4, 4, True),
                            (64, 4, 3, True), (128, 4, 3, True), (32, 4, 4, True)):
         timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}",

@@ -95,6 +95,7 @@ def test_prefill_kernels_match_reference(case):
     few_topk = B * H * 3 * (4 * N + 40 * budget.k(N))
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
+                     ("16-row scoring blocks", {"tile_rows": 16}),
                      ("torch.topk", {"method": "topk"}),
                      ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)

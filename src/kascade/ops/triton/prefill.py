@@ -415,7 +415,7 @@ ALLOCATOR_RESERVE = 3 / 64
 
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, method="radix", _scores_only=False, **lse_cfg) -> Selection:
+                   num_stages=None, tile_rows=None, method="radix", _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -425,6 +425,10 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
     probability, not sorted by slot, -1 padded at the end.
+
+    ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (rows of a tile per scoring program, a power of two;
+    default the tile's ``G * T`` rounded up, at most 128): the scoring pass's launch; other keywords go to the LSE
+    pass (:func:`prefill_lse`).
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
@@ -456,7 +460,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     if K == 0:
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
-               block_n=block_n, num_warps=num_warps, num_stages=num_stages, scores_only=_scores_only)
+               block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
+               scores_only=_scores_only)
     g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
@@ -478,7 +483,7 @@ def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
 
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, scores_only):
+                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
     per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
@@ -492,7 +497,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     fixed += 16 * B * H * R if direct else 0
     chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
-    M, NSUB = _tile_rows(G, T)
+    M, NSUB = _tile_rows(G, T, tile_rows)
     bn = block_n or (64 if D <= 128 else 32)
     nw = num_warps or 4  # H200 sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms
     # A tile of more than M rows reloads its NSUB query blocks for every key block, and pipelining holds each in
