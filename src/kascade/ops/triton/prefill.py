@@ -338,9 +338,9 @@ def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int,
 def _sparse_config(D: int) -> tuple[int, int, int, bool]:
     """(BLOCK_N, num_warps, num_stages, PREFETCH) of the sparse kernel. H200 sweeps (prefill.md, runs 8-9): Llama
     shapes (64, 4, 3) 2.89 ms at 32K, (64, 8, 5) 3.15, (32, 4, 5) 3.20, (64, 8, 3) 3.68; with PREFETCH every
-    configuration was slower (3.0-4.9 ms at 32K, 42-69 at 128K against 39.9: the K / V blocks then in flight cost
-    occupancy). The default model's (D = 64): with PREFETCH (64, 4, 4) 0.67 ms at 32K and 8.43 at 128K, against
-    0.73 and 9.00 for the earlier (64, 4, 6) without."""
+    configuration was slower (2.96-4.95 ms at 32K against 2.88, 41.9-69.0 at 128K against 39.9: the K / V blocks
+    in flight cost occupancy). The default model's (D = 64): with PREFETCH (64, 4, 4) 0.67 ms at 32K and 8.43 at
+    128K, against 0.73 and 9.00 for the earlier (64, 4, 6) without."""
     if D <= 64:
         return 64, 4, 4, True
     return (64, 4, 3, False) if D <= 128 else (32, 4, 2, False)
