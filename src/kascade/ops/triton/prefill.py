@@ -489,8 +489,11 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
-    R, K = indices.shape[2], indices.shape[3]
+    K = indices.shape[3]
     t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
+    R = max(count)  # the group's rows (the batch's other sequences may have more)
+    if R == 0:
+        return
     # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
     # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
     direct = method == "radix" and depth is None
@@ -545,11 +548,12 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
         full = torch.zeros(B, H, R, 4, dtype=torch.int32)
         full[..., 0] = host_start[:, None, None]
         full[..., 1] = torch.tensor([W for r0, r1, W, _ in chunks for _ in range(r0, r1)])
-        full[..., 2] = budgets_host[:, None, :]
+        full[..., 2] = budgets_host[:, None, :R]
         meta_host = torch.cat([full[:, :, r0:r1].reshape(-1, 4) for r0, r1, _, _ in chunks])
         meta_all = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host.to(dev)
     else:
         budgets_t, start_t = budgets_host.to(dev), host_start.to(dev)  # [B, R], [B]
+    mass = G * T if TOPK_BOUND else None  # a row pools G x T queries' probabilities
     m0 = 0
     for r0, r1, W, kc in chunks:
         C = r1 - r0
@@ -566,7 +570,6 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST, ZERO_HIST=direct,
                 num_warps=nw, num_stages=ns,
             )
-            mass = G * T if TOPK_BOUND else None  # a row pools G x T queries' probabilities
             if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
             elif direct:
