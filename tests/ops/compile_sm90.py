@@ -5,9 +5,10 @@
 The interpreter that runs the kernel tests on CPUs accepts code that the GPU compiler refuses (a kernel reading a
 plain Python global, say), and shared memory only runs out on the device; this compiles each kernel as the
 launchers configure it, through Triton's real front end and NVIDIA back end (ptxas included), and reports the
-shared memory per program, with --resources the registers and spills too (as this machine's Triton compiles it:
-with the GPU machine's Triton, 3.6.0, on the path they matched Nsight Compute's reading on the H200, e.g. the sparse
-decode pass at D = 128: 157 registers, 39,424 bytes of shared memory). tests/ops/test_triton_compiles.py runs it.
+shared memory per program, whether ptxas serialises its wgmma instructions, and with --resources the registers and
+spills (as this machine's Triton compiles it: with the GPU machine's Triton, 3.6.0, on the path they matched Nsight
+Compute's reading on the H200, e.g. the sparse decode pass at D = 128: 157 registers, 39,424 bytes of shared
+memory). tests/ops/test_triton_compiles.py runs it, with the GPU machine's Triton where CI installed it.
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def resources(cubin: bytes) -> str:
     return next((line.strip() for line in out.splitlines() if "REG:" in line), out.strip()[-200:])
 
 
+def serialised(ptx: str) -> bool:
+    """Whether ptxas serialises the kernel's wgmma instructions (its info C7515: each waited for before the next is
+    issued, the tensor cores' pipelining lost; the prefill sparse kernel had it under Triton 3.6 with its own-tile
+    block after the loop, 2026-12-04 -- a third of its speed). Asked of the ptxas that Triton carries, verbose."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")], capture_output=True,
+                             text=True)
+    return "C7515" in res.stdout + res.stderr
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("only", nargs="*", help="compile only the variants whose name contains one of these")
@@ -128,7 +143,8 @@ def main():
         try:
             k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                                options={"num_warps": nw, "num_stages": ns})
-            row.update(ok=True, shared=k.metadata.shared, num_warps=nw, num_stages=ns)
+            row.update(ok=True, shared=k.metadata.shared, num_warps=nw, num_stages=ns,
+                       serialised=serialised(k.asm["ptx"]))
             if args.resources:
                 row["resources"] = resources(k.asm["cubin"])
         except Exception as e:  # noqa: BLE001 - reported, the test fails on it

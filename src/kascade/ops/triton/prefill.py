@@ -271,6 +271,17 @@ def _sparse_kernel(
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
+        # ---- own tile, causal: first. After the pipelined loop below, this block's MMAs made ptxas serialise every
+        # wgmma of the kernel (warning C7515: each waited for before the next was issued); before it, none are. ----
+        offs_t = tl.arange(0, TP)
+        kpos = t * T + offs_t
+        km = (offs_t < T) & (kpos < n_b)
+        kslot = (start + kpos).to(tl.int64)
+        kt_o = tl.load(k_base + kslot[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
+        vt_o = tl.load(v_base + kslot[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
+        ok_o = km[None, :] & (kpos[None, :] <= pos[:, None])
+        m_i, l_i, acc = _online_step(q, kt_o, vt_o, ok_o, m_i, l_i, acc, qk_scale, True, F32, RNE, True)
+
         # ---- selected keys (all strictly before the tile) ----
         if PREFETCH:
             nxt = tl.load(idx_row + offs_n, mask=offs_n < n_row, other=0)
@@ -285,15 +296,6 @@ def _sparse_kernel(
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
             vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             m_i, l_i, acc = _online_step(q, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, False)
-        # ---- own tile, causal ----
-        offs_t = tl.arange(0, TP)
-        kpos = t * T + offs_t
-        km = (offs_t < T) & (kpos < n_b)
-        kslot = (start + kpos).to(tl.int64)
-        kt = tl.load(k_base + kslot[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
-        vt = tl.load(v_base + kslot[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
-        ok = km[None, :] & (kpos[None, :] <= pos[:, None])
-        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, F32, RNE, True)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
