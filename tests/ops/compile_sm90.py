@@ -42,8 +42,8 @@ DIVISIBLE = ("keys_per_split", "sc_row")
 
 def variants():
     """(name, kernel, constexprs, num_warps, num_stages, types) as the launchers make them (Llama shapes: G = 4,
-    D = 128; the default model's: G = 3, D = 64)."""
-    for D, G in ((128, 4), (64, 3)):
+    D = 128; the default model's: G = 3, D = 64; Gemma's head size: G = 2, D = 256)."""
+    for D, G in ((128, 4), (64, 3), (256, 2)):
         base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
                     HAS_CNT=False, MAXB=1)
         for kind, flags in (("score", dict(SPARSE=False, HAS_V=False, WRITE_SCORES=True, DIRECT=False)),

@@ -338,14 +338,17 @@ def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int,
 
 
 def _sparse_config(D: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, num_warps, num_stages, PREFETCH) of the sparse kernel. H200 sweeps (prefill.md, runs 8-9): Llama
-    shapes (64, 4, 3) 2.89 ms at 32K, (64, 8, 5) 3.15, (32, 4, 5) 3.20, (64, 8, 3) 3.68; with PREFETCH every
-    configuration was slower (2.96-4.95 ms at 32K against 2.88, 41.9-69.0 at 128K against 39.9: the K / V blocks
-    in flight cost occupancy). The default model's (D = 64): with PREFETCH (64, 4, 4) 0.67 ms at 32K and 8.43 at
-    128K, against 0.73 and 9.00 for the earlier (64, 4, 6) without."""
+    """(BLOCK_N, num_warps, num_stages, PREFETCH) of the sparse kernel. H200 sweeps at 32K (prefill.md, runs 8-10),
+    run 10 the first with the kernel's wgmma instructions not serialised by ptxas: Llama shapes (64, 8, 3) with
+    PREFETCH 2.73 ms, (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's choice, then
+    2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64): (64, 4, 4) with
+    PREFETCH 0.62 ms, (64, 4, 3) with or without 0.69, (64, 8, 4) with 0.90."""
     if D <= 64:
         return 64, 4, 4, True
-    return (64, 4, 3, False) if D <= 128 else (32, 4, 2, False)
+    if D <= 128:
+        return 64, 8, 3, True
+    # D = 256: with 4 warps ptxas spills 2.7 KB a thread and waits for each wgmma (compiled, not timed)
+    return 32, 8, 2, False
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
