@@ -42,18 +42,32 @@ from .common import LOG2E, dot, flags, num_sms, to_out
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
-                 RNE: tl.constexpr, GUARD: tl.constexpr):
-    """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``, ``ok [M, BN]`` (or a
-    broadcastable mask). GUARD: some row may have seen no key yet (all -inf), so keep exp2 finite."""
-    s = dot(q, tl.trans(kt), F32) * qk_scale  # [M, BN], log2 domain
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+                 RNE: tl.constexpr, GUARD: tl.constexpr, MASK: tl.constexpr = 0):
+    """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``. GUARD: some row may have seen no
+    key yet (all -inf), so keep exp2 finite. MASK says what ``ok`` is:
+    0: a boolean ``[M, BN]`` (or broadcastable) mask;
+    1: an additive fp32 ``[1, BN]`` of 0 (key valid) or -inf: one fused multiply-add per score with the scale, where
+       a mask costs a compare and a select besides (exact: adding 0 does not round);
+    2: ignored, every key valid: the scale goes into the exponential's argument (one fused multiply-add), the
+       row maximum is taken before it (exact: scaling by a positive number keeps the order)."""
+    s = dot(q, tl.trans(kt), F32)  # [M, BN]
+    if MASK == 2:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
+    else:
+        if MASK == 1:
+            s = s * qk_scale + ok
+        else:
+            s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    if MASK == 2:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_V:
         pv = to_out(p, vt.dtype, RNE)
@@ -108,8 +122,7 @@ def _dense_kernel(
             vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :])
         else:
             vt = kt
-        m_i, l_i, acc = _online_step(q, kt, vt, offs_n[None, :] >= 0, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE,
-                                     False)
+        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, 2)
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
         kpos = j0 + offs_n
@@ -271,31 +284,41 @@ def _sparse_kernel(
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        # ---- own tile, causal: first. After the pipelined loop below, this block's MMAs made ptxas serialise every
-        # wgmma of the kernel (warning C7515: each waited for before the next was issued); before it, none are. ----
+        # Key order does not matter to the softmax: the masked blocks come first, straight-line, and the loop over the
+        # row's full blocks needs no mask at all (a compare and a select per score were an eighth of its
+        # instructions). With the own tile after the pipelined loop, ptxas serialised every wgmma of the kernel
+        # (its warning C7515: each waited for before the next was issued); before it, none are.
+        # ---- own tile, causal ----
         offs_t = tl.arange(0, TP)
         kpos = t * T + offs_t
         km = (offs_t < T) & (kpos < n_b)
         kslot = (start + kpos).to(tl.int64)
-        kt_o = tl.load(k_base + kslot[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
-        vt_o = tl.load(v_base + kslot[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
-        ok_o = km[None, :] & (kpos[None, :] <= pos[:, None])
-        m_i, l_i, acc = _online_step(q, kt_o, vt_o, ok_o, m_i, l_i, acc, qk_scale, True, F32, RNE, True)
-
-        # ---- selected keys (all strictly before the tile) ----
+        kt = tl.load(k_base + kslot[:, None] * stride_kn + offs_d[None, :], mask=km[:, None], other=0.0)
+        vt = tl.load(v_base + kslot[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
+        ok = km[None, :] & (kpos[None, :] <= pos[:, None])
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, F32, RNE, True)
+        # ---- the row's last block of selected keys, full or not (none when the row is empty) ----
+        n_loop = tl.maximum(n_row - 1, 0) // BLOCK_N  # the full blocks before it
+        j = n_loop * BLOCK_N + offs_n
+        ok_n = j < n_row
+        slot = tl.load(idx_row + j, mask=ok_n, other=0).to(tl.int64)
+        kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok_n[:, None], other=0.0)
+        vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok_n[:, None], other=0.0)
+        bias = tl.where(ok_n, 0.0, float("-inf"))[None, :]
+        m_i, l_i, acc = _online_step(q, kt, vt, bias, m_i, l_i, acc, qk_scale, True, F32, RNE, True, 1)
+        # ---- the other selected keys (all strictly before the tile), whole blocks ----
         if PREFETCH:
-            nxt = tl.load(idx_row + offs_n, mask=offs_n < n_row, other=0)
-        for kb in range(0, nblk):
+            nxt = tl.load(idx_row + offs_n, mask=offs_n < n_loop * BLOCK_N, other=0)
+        for kb in range(0, n_loop):
             j = kb * BLOCK_N + offs_n
-            ok = j < n_row
             if PREFETCH:
                 slot = nxt.to(tl.int64)
-                nxt = tl.load(idx_row + j + BLOCK_N, mask=j + BLOCK_N < n_row, other=0)
+                nxt = tl.load(idx_row + j + BLOCK_N, mask=j + BLOCK_N < n_loop * BLOCK_N, other=0)
             else:
-                slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)
-            kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
-            vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
-            m_i, l_i, acc = _online_step(q, kt, vt, ok[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, False)
+                slot = tl.load(idx_row + j).to(tl.int64)
+            kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :])
+            vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :])
+            m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, True, F32, RNE, False, 2)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
@@ -347,8 +370,9 @@ def _sparse_config(D: int) -> tuple[int, int, int, bool]:
         return 64, 4, 4, True
     if D <= 128:
         return 64, 8, 3, True
-    # D = 256: with 4 warps ptxas spills 2.7 KB a thread and waits for each wgmma (compiled, not timed)
-    return 32, 8, 2, False
+    # D = 256 (16 query / 8 KV heads, 32K, run 10, before the masks left the loop): (32, 8, 3) 6.60 ms, (64, 8, 2)
+    # 7.44, (32, 4, 2) 7.50 (ptxas spills 2.7 KB a thread and waits for each wgmma), (32, 8, 2) 8.46
+    return 32, 8, 3, False
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
