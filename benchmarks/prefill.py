@@ -160,8 +160,9 @@ def sweep(results):
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     lse = tp.prefill_lse(q, k, scale=sc)
-    # the scoring pass at G * T = 96 rows a tile: one block of 128 (a quarter of it padding) or three of 32
-    for rows in (None, 32):
+    # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
+    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
+    for rows in (None, 128, 32):
         timed(f"smollm2 scores only rows{rows or 'tile'}", lambda: tp.select_prefill(
             q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, _scores_only=True))
     for bn, nw, ns, pf in ((64, 4, 4, True), (64, 4, 3, False), (64, 8, 4, True), (64, 8, 3, False),

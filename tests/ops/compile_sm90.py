@@ -58,7 +58,6 @@ def variants():
                 "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
         yield f"decode merge D{D}", td._merge_kernel, dict(HQ=32, D=D, S_PAD=64, RNE=False), 4, 3
         T = 32
-        M, NSUB = tp._tile_rows(G, T)
         M0, bn, nw, ns = tp._dense_config(G, D, True)
         BQ, Mr = tp._rows(G, M0)
         yield (f"prefill dense D{D}", tp._dense_kernel,
@@ -67,9 +66,11 @@ def variants():
         BQ, Mr = tp._rows(G, M0)
         yield (f"prefill lse D{D}", tp._dense_kernel,
                dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
-        yield (f"prefill score D{D}", tp._score_kernel,
-               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=64 if D <= 128 else 32, F32=False,
-                    NHIST=topk.NHIST, ZERO_HIST=True), 4, 1 if NSUB > 1 and D > 64 else 3)
+        for Gs in (G, 6) if D == 128 else (G,):  # G = 6: two blocks, 128 + 64 rows, with the first reloaded
+            M, NSUB, MR = tp._score_rows(Gs, T)
+            yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else ""), tp._score_kernel,
+                   dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=64 if D <= 128 else 32, F32=False,
+                        NHIST=topk.NHIST, ZERO_HIST=True), 4, 1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,

@@ -149,6 +149,30 @@ def _dense_kernel(
 
 
 @triton.jit
+def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ: tl.constexpr,
+            G: tl.constexpr, T: tl.constexpr):
+    """Rows ``f`` (of the tile's G*T, query-major) of tile ``t``: their queries ``[len(f), D]`` (zeros beyond the
+    tile or the call) and log2-domain LSE (+inf there, so that they pool nothing)."""
+    qi = f // G
+    i = start + t * T + qi - q_offset
+    row_ok = (f < G * T) & (i >= 0) & (i < L)
+    hq = (h * G + f % G).to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    return q, lse2
+
+
+@triton.jit
+def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr):
+    """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``: ``[BN]``. Scores
+    transposed, [BN keys, rows], so that pooling over rows is the cheap in-thread / in-warp reduction of the MMA
+    layout rather than one across warps."""
+    s = dot(kt, tl.trans(q), F32) * qk_scale
+    return tl.sum(tl.exp2(s - lse2[None, :]), 1)
+
+
+@triton.jit
 def _score_kernel(
     Q, K, Lse, KvStart, RowStart, Buf, Hist,
     stride_qb, stride_qh, stride_ql,
@@ -156,12 +180,13 @@ def _score_kernel(
     stride_bb, stride_bh, stride_bc,
     L, q_offset, r0, W, keys_per_split, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
+    MR: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
 ):
     """One program = (key split, tile of the chunk, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
-    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. ZERO_HIST: the first
-    split zeroes the top-k's histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a
-    memset launch less per chunk."""
+    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. The tile's G*T rows:
+    NSUB blocks of M, then one of MR (none if 0; :func:`_score_rows`). ZERO_HIST: the first split zeroes the top-k's
+    histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a memset launch less per
+    chunk."""
     split = tl.program_id(0)
     c = tl.program_id(1)
     hb = tl.program_id(2)
@@ -188,37 +213,26 @@ def _score_kernel(
     k_base = K + b64 * stride_kb + h * stride_kh
     buf = Buf + b64 * stride_bb + h * stride_bh + c * stride_bc
     f0 = tl.arange(0, M)
-    if NSUB == 1:  # the whole tile is one block of rows: keep it in registers
-        qi = f0 // G
-        i = start + t * T + qi - q_offset
-        row_ok = (f0 < G * T) & (i >= 0) & (i < L)
-        hq = (h * G + f0 % G).to(tl.int64)
-        q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
-                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    if NSUB == 1:  # one block of M rows (and the remainder's): held for the whole loop
+        q, lse2 = _tile_q(Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ, G, T)
+    if MR > 0:
+        q_r, lse2_r = _tile_q(Q, Lse, b64, h, start, t, NSUB * M + tl.arange(0, MR), offs_d, stride_qb, stride_qh,
+                              stride_ql, L, q_offset, HQ, G, T)
     for j0 in range(lo, hi_s, BLOCK_N):
         kpos = j0 + offs_n
         km = kpos < hi_s
         kt = tl.load(k_base + (start + kpos).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                      mask=km[:, None], other=0.0)
-        # Scores transposed, [BLOCK_N keys, M rows], so that pooling over rows is the cheap in-thread / in-warp
-        # reduction of the MMA layout rather than one across warps.
         if NSUB == 1:
-            s = dot(kt, tl.trans(q), F32) * qk_scale
-            pooled = tl.sum(tl.exp2(s - lse2[None, :]), 1)
-        else:
+            pooled = _pool(kt, q, lse2, qk_scale, F32)
+        else:  # several blocks of M rows: reloaded for every key block (pipelining would hold each in every stage)
             pooled = tl.zeros([BLOCK_N], tl.float32)
             for sb in tl.static_range(NSUB):
-                f = sb * M + f0
-                qi = f // G
-                i = start + t * T + qi - q_offset
-                row_ok = (f < G * T) & (i >= 0) & (i < L)
-                hq = (h * G + f % G).to(tl.int64)
-                q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
-                            + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
-                s = dot(kt, tl.trans(q), F32) * qk_scale
-                pooled += tl.sum(tl.exp2(s - lse2[None, :]), 1)
+                q, lse2 = _tile_q(Q, Lse, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh, stride_ql, L,
+                                  q_offset, HQ, G, T)
+                pooled += _pool(kt, q, lse2, qk_scale, F32)
+        if MR > 0:
+            pooled += _pool(kt, q_r, lse2_r, qk_scale, F32)
         tl.store(buf + kpos, pooled, mask=km)
     for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
         kpos = j0 + offs_n
@@ -429,6 +443,24 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
     return M, triton.cdiv(G * T, M)
 
 
+def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
+    """The scoring pass's rows of a tile: ``(M, NSUB, MR)``, NSUB blocks of M rows then one of MR (0: none), powers
+    of two >= 16 covering the tile's G*T rows with the least padding: 96 = 64 + 32 (the default model's, which one
+    block of 128 padded by a quarter: a quarter of the pass's MMAs and exponentials), 160 = 128 + 32, 192 = 128 + 64.
+    ``M`` given: blocks of M rows, the last one padded."""
+    n = G * T
+    if M:
+        return M, triton.cdiv(n, M), 0
+    if n <= 16:
+        return 16, 1, 0
+    M = min(128, 1 << (n.bit_length() - 1))  # the largest power of two <= n, at most 128
+    NSUB, rem = divmod(n, M)
+    MR = max(16, triton.next_power_of_2(rem)) if rem else 0
+    if MR == M:  # e.g. 224 = 128 + 96: a second block of M rows
+        return M, NSUB + 1, 0
+    return M, NSUB, MR
+
+
 # The radix top-k's first histogram counts exponents under a bound of each row's k-th value (a row pools G x T
 # queries' probabilities, so it sums to at most G x T); False: the whole bit pattern from the top, no bound
 # (benchmarks/prefill.py times both).
@@ -455,9 +487,9 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
     probability, not sorted by slot, -1 padded at the end.
 
-    ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (rows of a tile per scoring program, a power of two;
-    default the tile's ``G * T`` rounded up, at most 128): the scoring pass's launch; other keywords go to the LSE
-    pass (:func:`prefill_lse`).
+    ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (the scoring pass's blocks of a tile's rows, a power of
+    two; default :func:`_score_rows`' blocks, which pad the fewest rows): the scoring pass's launch; other keywords
+    go to the LSE pass (:func:`prefill_lse`).
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
@@ -529,7 +561,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     fixed += 16 * B * H * R if direct else 0
     chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
-    M, NSUB = _tile_rows(G, T, tile_rows)
+    M, NSUB, MR = _score_rows(G, T, tile_rows)
     bn = block_n or (64 if D <= 128 else 32)
     nw = num_warps or 4  # H200 sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms
     # A tile of more than M rows reloads its NSUB query blocks for every key block, and pipelining holds each in
@@ -596,8 +628,8 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, W, per, scale * LOG2E,
-                HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST, ZERO_HIST=direct,
-                num_warps=nw, num_stages=ns,
+                HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
+                ZERO_HIST=direct, num_warps=nw, num_stages=ns,
             )
             if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
