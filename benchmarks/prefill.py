@@ -165,10 +165,13 @@ def sweep(results):
     for rows in (None, 128, 32):
         timed(f"smollm2 scores only rows{rows or 'tile'}", lambda: tp.select_prefill(
             q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, _scores_only=True))
-    for bn, nw, ns, pf in ((64, 4, 4, True), (64, 4, 3, False), (64, 8, 4, True), (64, 8, 3, False),
-                           (128, 4, 3, True), (128, 8, 3, True), (128, 8, 2, False), (32, 4, 4, True)):
-        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}",
-              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf))
+    # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4))
+    for bn, nw, ns, pf, reg in ((64, 4, 4, True, None), (64, 4, 3, False, None), (64, 8, 4, True, None),
+                                (64, 8, 3, False, None), (64, 8, 4, True, 128), (64, 8, 3, False, 128),
+                                (64, 8, 3, True, 128), (128, 8, 3, True, None), (32, 4, 4, True, None)):
+        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}{f' r{reg}' if reg else ''}",
+              lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf,
+                                        maxnreg=reg))
     results["sweep_32k"] = out
 
 

@@ -647,13 +647,15 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
 
 
 def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
-                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None, prefetch=None):
+                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None, prefetch=None,
+                   maxnreg=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
     are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
-    each block's indices an iteration ahead. ``-> [B, HQ, L, D]``."""
+    each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per thread that ptxas may use (more
+    programs per SM, at the risk of spills; benchmarks/prefill.py's sweep). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
@@ -681,6 +683,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
         L, q_offset, KI, scale * LOG2E,
         G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
         HAS_CNT=counts is not None, PREFETCH=ahead, num_warps=nw, num_stages=ns,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     for b, s in enumerate(host_start.tolist()):  # queries at padding slots belong to no tile
         if s > q_offset:
