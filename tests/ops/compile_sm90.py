@@ -68,9 +68,10 @@ def variants():
                dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
         for Gs in (G, 6) if D == 128 else (G,):  # G = 6: two blocks, 128 + 64 rows, with the first reloaded
             M, NSUB, MR = tp._score_rows(Gs, T)
+            bn, nw, ns = tp._score_config(D, NSUB)
             yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else ""), tp._score_kernel,
-                   dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=64 if D <= 128 else 32, F32=False,
-                        NHIST=topk.NHIST, ZERO_HIST=True), 4, 1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2)
+                   dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False, NHIST=topk.NHIST,
+                        ZERO_HIST=True), nw, ns)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,

@@ -42,29 +42,24 @@ from .common import LOG2E, dot, flags, num_sms, to_out
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
-                 RNE: tl.constexpr, GUARD: tl.constexpr, MASK: tl.constexpr = 0):
+                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False):
     """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``. GUARD: some row may have seen no
-    key yet (all -inf), so keep exp2 finite. MASK says what ``ok`` is:
-    0: a boolean ``[M, BN]`` (or broadcastable) mask;
-    1: an additive fp32 ``[1, BN]`` of 0 (key valid) or -inf: one fused multiply-add per score with the scale, where
-       a mask costs a compare and a select besides (exact: adding 0 does not round);
-    2: ignored, every key valid: the scale goes into the exponential's argument (one fused multiply-add), the
-       row maximum is taken before it (exact: scaling by a positive number keeps the order)."""
+    key yet (all -inf), so keep exp2 finite. ``ok``: a boolean ``[M, BN]`` (or broadcastable) mask, ignored with
+    ALL_VALID (every key valid): the scale then goes into the exponential's fused multiply-add and the row maximum
+    is taken before it (exact: scaling by a positive number keeps the order), a multiply, compare and select per
+    score fewer."""
     s = dot(q, tl.trans(kt), F32)  # [M, BN]
-    if MASK == 2:
+    if ALL_VALID:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
     else:
-        if MASK == 1:
-            s = s * qk_scale + ok
-        else:
-            s = tl.where(ok, s * qk_scale, float("-inf"))
+        s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    if MASK == 2:
+    if ALL_VALID:
         p = tl.exp2(s * qk_scale - m_use[:, None])
     else:
         p = tl.exp2(s - m_use[:, None])
@@ -122,7 +117,7 @@ def _dense_kernel(
             vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :])
         else:
             vt = kt
-        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, 2)
+        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True)
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
         kpos = j0 + offs_n
@@ -318,8 +313,7 @@ def _sparse_kernel(
         slot = tl.load(idx_row + j, mask=ok_n, other=0).to(tl.int64)
         kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=ok_n[:, None], other=0.0)
         vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :], mask=ok_n[:, None], other=0.0)
-        bias = tl.where(ok_n, 0.0, float("-inf"))[None, :]
-        m_i, l_i, acc = _online_step(q, kt, vt, bias, m_i, l_i, acc, qk_scale, True, F32, RNE, True, 1)
+        m_i, l_i, acc = _online_step(q, kt, vt, ok_n[None, :], m_i, l_i, acc, qk_scale, True, F32, RNE, True)
         # ---- the other selected keys (all strictly before the tile), whole blocks ----
         if PREFETCH:
             nxt = tl.load(idx_row + offs_n, mask=offs_n < n_loop * BLOCK_N, other=0)
@@ -332,7 +326,7 @@ def _sparse_kernel(
                 slot = tl.load(idx_row + j).to(tl.int64)
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :])
             vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :])
-            m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, True, F32, RNE, False, 2)
+            m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, True, F32, RNE, False, True)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
@@ -461,6 +455,15 @@ def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
     return M, NSUB, MR
 
 
+def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the scoring pass for NSUB blocks of M rows (:func:`_score_rows`). H200
+    sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms. Several blocks of M rows are reloaded for every key block,
+    and pipelining holds each in every stage: at D = 128 that ran out of shared memory on an H200 (G*T > 128, fp16 /
+    bf16); one stage then (only those shapes change; not timed)."""
+    bn = 64 if D <= 128 else 32
+    return bn, 4, 1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2
+
+
 # The radix top-k's first histogram counts exponents under a bound of each row's k-th value (a row pools G x T
 # queries' probabilities, so it sums to at most G x T); False: the whole bit pattern from the top, no bound
 # (benchmarks/prefill.py times both).
@@ -562,12 +565,8 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
     M, NSUB, MR = _score_rows(G, T, tile_rows)
-    bn = block_n or (64 if D <= 128 else 32)
-    nw = num_warps or 4  # H200 sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms
-    # A tile of more than M rows reloads its NSUB query blocks for every key block, and pipelining holds each in
-    # every stage: at D = 128 that ran out of shared memory on an H200 (G*T > 128, fp16 / bf16); one stage then
-    # (only those shapes change; not timed)
-    ns = num_stages or (1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2)
+    bn, nw, ns = _score_config(D, NSUB)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     sms = num_sms(dev)
 
     def width(r1):  # keys before the last tile of rows [.., r1): the chunk's buffer row length
