@@ -131,15 +131,21 @@ def sweep(results):
     N = 32768
     q, k, v = inputs(HQ, H, D, N)
     sc = D**-0.5
+    # bm256: 64 queries x 4 heads a program, each K block feeding twice the rows (the QK-only pass: 419 instructions
+    # per warp and block against 2 x 235 at bm128, compiled; the dense pass spills there, so only the QK-only one)
     for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-                           (128, 64, 4, 4)):
+                           (128, 64, 4, 4), (256, 64, 8, 2), (256, 64, 8, 3)):
         cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-        timed(f"dense bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.dense_prefill(q, k, v, scale=sc, **cfg))
+        if bm == 128:
+            timed(f"dense bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.dense_prefill(q, k, v, scale=sc, **cfg))
         timed(f"lse-only bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.prefill_lse(q, k, scale=sc, **cfg))
     lse = tp.prefill_lse(q, k, scale=sc)
-    for bn, nw, ns in ((128, 4, 3), (64, 8, 3), (32, 4, 3), (64, 4, 2)):
-        timed(f"select (given lse) bn{bn} w{nw} s{ns}", lambda: tp.select_prefill(
-            q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw, num_stages=ns))
+    # the scoring pass's launch (default (64, 4, 3)); fma: every n-th group of 8 rows' exponentials on the FMA pipes
+    for bn, nw, ns, fma in ((64, 4, 3, 0), (64, 4, 3, 8), (64, 4, 3, 4), (128, 8, 2, 0), (128, 8, 3, 0),
+                            (128, 8, 3, 8), (128, 4, 3, 0), (64, 8, 3, 0), (64, 4, 2, 0)):
+        timed(f"scores only bn{bn} w{nw} s{ns}{f' fma{fma}' if fma else ''}", lambda: tp.select_prefill(
+            q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw, num_stages=ns, fma_exp=fma,
+            _scores_only=True))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     first = first_keys(sel)
     # bm: rows per program (None: the tile's G * T; 64: two programs per tile gathering the same keys). pf: the
@@ -162,9 +168,9 @@ def sweep(results):
     lse = tp.prefill_lse(q, k, scale=sc)
     # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
     # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
-    for rows in (None, 128, 32):
-        timed(f"smollm2 scores only rows{rows or 'tile'}", lambda: tp.select_prefill(
-            q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, _scores_only=True))
+    for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4)):
+        timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}", lambda: tp.select_prefill(
+            q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma, _scores_only=True))
     # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4))
     for bn, nw, ns, pf, reg in ((64, 4, 4, True, None), (64, 4, 3, False, None), (64, 8, 4, True, None),
                                 (64, 8, 3, False, None), (64, 8, 4, True, 128), (64, 8, 3, False, 128),

@@ -69,9 +69,10 @@ def variants():
         for Gs in (G, 6) if D == 128 else (G,):  # G = 6: two blocks, 128 + 64 rows, with the first reloaded
             M, NSUB, MR = tp._score_rows(Gs, T)
             bn, nw, ns = tp._score_config(D, NSUB)
-            yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else ""), tp._score_kernel,
-                   dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False, NHIST=topk.NHIST,
-                        ZERO_HIST=True), nw, ns)
+            for poly in (tp.SCORE_FMA_EXP, 8) if Gs == G else (tp.SCORE_FMA_EXP,):  # 8: the sweep's FMA exponentials
+                yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else ""),
+                       tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
+                                              NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly), nw, ns)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,

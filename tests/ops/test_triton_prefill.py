@@ -15,6 +15,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+import triton.language as tl  # noqa: E402
 
 from kascade.budget import Budget  # noqa: E402
 from kernel_checks import (check_close, check_lse, check_prefill_selection, dev, dev_selection,  # noqa: E402
@@ -96,6 +97,7 @@ def test_prefill_kernels_match_reference(case):
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
                      ("16-row scoring blocks", {"tile_rows": 16}),
+                     ("exponentials on the FMA pipes", {"fma_exp": 1}), ("every other group on them", {"fma_exp": 2}),
                      ("torch.topk", {"method": "topk"}),
                      ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
@@ -341,3 +343,26 @@ def test_row_topk_is_exact_with_ties_and_padding(ranked, mass):
         want = order if ranked else sorted(order)
         assert got[r, :c].tolist() == want, f"row {r}"
         assert (got[r, c:] == -1).all(), f"row {r}: padding"
+
+
+@triton.jit
+def _exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tp._exp2_fma(tl.load(X + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+
+def test_exp2_on_the_fma_pipes_is_as_accurate_as_the_sfu():
+    """The scoring pass's polynomial 2**x (``fma_exp``) for its x <= 0: relative error within 2.5e-7 over the
+    normal range (MUFU.EX2's is about 2e-7), 0 where the result would be subnormal and at -inf."""
+    x = torch.cat([torch.linspace(-126.0, 0.0, sized(20001)), torch.rand(sized(4000)) * -126.0,
+                   torch.tensor([0.0, -0.0, -1e-30, -0.5, 0.5 - 1.0, -125.5, -126.0, -126.001, -200.0,
+                                 float("-inf")])])
+    y = torch.empty_like(x)
+    xd, yd = dev(x), dev(y)
+    _exp2_fma_kernel[(triton.cdiv(x.numel(), 1024),)](xd, yd, x.numel(), BLOCK=1024)
+    y = yd.cpu().double()
+    want = torch.exp2(x.double())
+    normal = x >= -126.0
+    rel = ((y - want).abs() / want)[normal]
+    assert rel.max() <= 2.5e-7, (float(rel.max()), float(x[normal][rel.argmax()]))
+    assert (y[~normal] == 0).all()

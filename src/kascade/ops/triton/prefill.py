@@ -110,14 +110,17 @@ def _dense_kernel(
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     # ---- keys before the block: no mask ----
-    for jb in range(0, n_full):
-        kpos = (start + jb * BLOCK_N + offs_n).to(tl.int64)
-        kt = tl.load(k_base + kpos[:, None] * stride_kn + offs_d[None, :])
+    k_ptr = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+    v_ptr = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
+    for jb in range(0, n_full):  # (pointers advanced, not recomputed: a fifth of the QK-only loop's instructions)
+        kt = tl.load(k_ptr)
         if HAS_V:
-            vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :])
+            vt = tl.load(v_ptr)
+            v_ptr += BLOCK_N * stride_vn
         else:
             vt = kt
         m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True)
+        k_ptr += BLOCK_N * stride_kn
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
         kpos = j0 + offs_n
@@ -159,12 +162,59 @@ def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql
 
 
 @triton.jit
-def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr):
+def _exp2_fma(x):
+    """``2**x`` on the FMA pipes, for the scoring pass's ``x <= 0`` (``-inf`` included): ``x = j + f`` with ``j``
+    an integer (rounded by adding 1.5 * 2**23, whose low mantissa bits then hold it) and ``f`` in [-0.5, 0.5], a
+    degree-5 polynomial for ``2**f`` (relative error 2.3e-7, as ``MUFU.EX2``'s own) and ``j`` added into its exponent
+    bits; 0 below 2**-126, where the result would be subnormal (``MUFU.EX2`` flushes those too). 13 instructions,
+    each one issue cycle of a warp, where the SFU takes 8 cycles per warp for one ``MUFU.EX2``."""
+    xc = tl.maximum(x, -127.0)
+    t = xc + 12582912.0
+    f = xc - (t - 12582912.0)
+    p = 0.001326697412878275 * f + 0.009675459936261177
+    p = p * f + 0.05550742521882057
+    p = p * f + 0.24022121727466583
+    p = p * f + 0.6931469440460205
+    p = p * f + 1.0000001192092896
+    y = (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+    return tl.where(x < -126.0, 0.0, y)
+
+
+@triton.jit
+def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr, POLY: tl.constexpr):
     """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``: ``[BN]``. Scores
     transposed, [BN keys, rows], so that pooling over rows is the cheap in-thread / in-warp reduction of the MMA
-    layout rather than one across warps."""
+    layout rather than one across warps. POLY > 0: the rows of every POLY-th group of 8 take their exponentials on
+    the FMA pipes (:func:`_exp2_fma`), the others on the SFU, whose 16 exponentials per SM and cycle otherwise bound
+    the pass; a thread holds whole groups of 8 rows of the MMA layout, so the choice is made per register at
+    compile time."""
     s = dot(kt, tl.trans(q), F32) * qk_scale
-    return tl.sum(tl.exp2(s - lse2[None, :]), 1)
+    x = s - lse2[None, :]
+    if POLY > 0:
+        rows = tl.arange(0, q.shape[0])
+        p = tl.where(((rows // 8) % POLY == 0)[None, :], _exp2_fma(x), tl.exp2(x))
+    else:
+        p = tl.exp2(x)
+    return tl.sum(p, 1)
+
+
+@triton.jit
+def _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L,
+               q_offset, qk_scale, HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, M: tl.constexpr,
+               NSUB: tl.constexpr, MR: tl.constexpr, F32: tl.constexpr, POLY: tl.constexpr):
+    """Pooled probabilities of keys ``kt [BN, D]`` over all the tile's rows: the held block ``q`` (NSUB = 1) or
+    NSUB blocks reloaded, plus the remainder block ``q_r`` (MR > 0)."""
+    if NSUB == 1:
+        pooled = _pool(kt, q, lse2, qk_scale, F32, POLY)
+    else:  # several blocks of M rows: reloaded for every key block (pipelining would hold each in every stage)
+        pooled = tl.zeros([kt.shape[0]], tl.float32)
+        for sb in tl.static_range(NSUB):
+            qs, ls = _tile_q(Q, Lse, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh, stride_ql, L,
+                             q_offset, HQ, G, T)
+            pooled += _pool(kt, qs, ls, qk_scale, F32, POLY)
+    if MR > 0:
+        pooled += _pool(kt, q_r, lse2_r, qk_scale, F32, POLY)
+    return pooled
 
 
 @triton.jit
@@ -176,6 +226,7 @@ def _score_kernel(
     L, q_offset, r0, W, keys_per_split, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
     MR: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
+    POLY: tl.constexpr,
 ):
     """One program = (key split, tile of the chunk, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
     probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. The tile's G*T rows:
@@ -208,26 +259,30 @@ def _score_kernel(
     k_base = K + b64 * stride_kb + h * stride_kh
     buf = Buf + b64 * stride_bb + h * stride_bh + c * stride_bc
     f0 = tl.arange(0, M)
+    q, lse2, q_r, lse2_r = 0, 0, 0, 0  # (placeholders for the blocks that are reloaded or absent)
     if NSUB == 1:  # one block of M rows (and the remainder's): held for the whole loop
         q, lse2 = _tile_q(Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ, G, T)
     if MR > 0:
         q_r, lse2_r = _tile_q(Q, Lse, b64, h, start, t, NSUB * M + tl.arange(0, MR), offs_d, stride_qb, stride_qh,
                               stride_ql, L, q_offset, HQ, G, T)
-    for j0 in range(lo, hi_s, BLOCK_N):
+    # Whole blocks of candidate keys unmasked (every key's pooled value is its own: no mask enters the sums), then
+    # the partial block, masked, straight-line.
+    n_whole = tl.maximum(hi_s - lo, 0) // BLOCK_N
+    k_ptr = k_base + (start + lo + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+    for j in range(0, n_whole):
+        kt = tl.load(k_ptr)
+        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
+                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
+        tl.store(buf + lo + j * BLOCK_N + offs_n, pooled)
+        k_ptr += BLOCK_N * stride_kn
+    j0 = lo + n_whole * BLOCK_N
+    if j0 < hi_s:
         kpos = j0 + offs_n
         km = kpos < hi_s
         kt = tl.load(k_base + (start + kpos).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                      mask=km[:, None], other=0.0)
-        if NSUB == 1:
-            pooled = _pool(kt, q, lse2, qk_scale, F32)
-        else:  # several blocks of M rows: reloaded for every key block (pipelining would hold each in every stage)
-            pooled = tl.zeros([BLOCK_N], tl.float32)
-            for sb in tl.static_range(NSUB):
-                q, lse2 = _tile_q(Q, Lse, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh, stride_ql, L,
-                                  q_offset, HQ, G, T)
-                pooled += _pool(kt, q, lse2, qk_scale, F32)
-        if MR > 0:
-            pooled += _pool(kt, q_r, lse2_r, qk_scale, F32)
+        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
+                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
         tl.store(buf + kpos, pooled, mask=km)
     for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
         kpos = j0 + offs_n
@@ -470,6 +525,12 @@ def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
 TOPK_BOUND = True
 
 
+# The scoring pass's exponentials on the FMA pipes: every SCORE_FMA_EXP-th group of 8 rows of a block (0: none, all
+# on the SFU). Compiled for sm_90 (Llama shapes), per warp and block of 64 keys: 64 MUFU.EX2 (512 SFU cycles) and
+# 294 instructions with 0; 56 and ~390 with 8; 48 and ~490 with 4. Not yet timed: off until a sweep says otherwise.
+SCORE_FMA_EXP = 0
+
+
 # The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
 # 1 MiB larger than asked for whole, and torch.cuda.max_memory_allocated counts the whole block; three allocations
 # of a selection may be that large (the LSE, a chunk's score buffer and its histograms): 3 MiB of the default 64 MiB.
@@ -479,7 +540,8 @@ ALLOCATOR_RESERVE = 3 / 64
 
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, tile_rows=None, method="radix", _scores_only=False, **lse_cfg) -> Selection:
+                   num_stages=None, tile_rows=None, fma_exp=None, method="radix", _scores_only=False,
+                   **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -491,8 +553,9 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     probability, not sorted by slot, -1 padded at the end.
 
     ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (the scoring pass's blocks of a tile's rows, a power of
-    two; default :func:`_score_rows`' blocks, which pad the fewest rows): the scoring pass's launch; other keywords
-    go to the LSE pass (:func:`prefill_lse`).
+    two; default :func:`_score_rows`' blocks, which pad the fewest rows), ``fma_exp`` (every ``fma_exp``-th group of
+    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :data:`SCORE_FMA_EXP`): the
+    scoring pass's launch; other keywords go to the LSE pass (:func:`prefill_lse`).
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
@@ -525,7 +588,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
                block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
-               scores_only=_scores_only)
+               fma_exp=SCORE_FMA_EXP if fma_exp is None else fma_exp, scores_only=_scores_only)
     g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
@@ -547,7 +610,7 @@ def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
 
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, scores_only):
+                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, fma_exp, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
     per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
@@ -628,7 +691,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, W, per, scale * LOG2E,
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, num_warps=nw, num_stages=ns,
+                ZERO_HIST=direct, POLY=fma_exp, num_warps=nw, num_stages=ns,
             )
             if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
