@@ -177,15 +177,20 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
 @triton.jit
 def _last_finds(Meta, Hist, State, mass, row, n_programs, H: tl.constexpr, NHIST: tl.constexpr,
                 LEVEL: tl.constexpr):
-    """After this program's histogram atomics: its ticket for the row (acquire-release, so the last program sees
-    every program's counts); the row's last program makes the bin search of LEVEL, which the next launch reads
-    from ``State``."""
+    """After this program's histogram atomics: its ticket for the row (a release); the row's last program then
+    acquires every program's counts and makes the bin search of LEVEL, which the next launch reads from ``State``."""
     # Every thread's histogram atomics come before the one thread's ticket (a CTA barrier; the release is then
-    # cumulative over them), and the last program's bin search after every program's ticket (the acquire).
+    # cumulative over them). The tickets are read-modify-writes of one counter, so they form one release sequence:
+    # the last program's acquire, which reads the final count, synchronises with every program's release (C++'s
+    # rule, which the PTX memory model keeps). Only that program pays for the acquire (its L1 invalidated); the
+    # acquire's result is used, so every thread waits for it (Triton broadcasts a scalar atomic's result through
+    # shared memory behind a barrier) before the bin search loads the histogram.
     tl.debug_barrier()
-    t = tl.atomic_add(Hist + row * NHIST + _TK + LEVEL, 1, sem="acq_rel")
+    ticket = Hist + row * NHIST + _TK + LEVEL
+    t = tl.atomic_add(ticket, 1, sem="release")
     if t == n_programs - 1:
-        _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
+        if tl.atomic_add(ticket, 0, sem="acquire") == n_programs:
+            _find_level(Meta, Hist, State, mass, row, H, NHIST, LEVEL)
 
 
 @triton.jit
