@@ -171,13 +171,18 @@ def sweep(results):
     for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4)):
         timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}", lambda: tp.select_prefill(
             q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma, _scores_only=True))
-    # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4))
-    for bn, nw, ns, pf, reg in ((64, 4, 4, True, None), (64, 4, 3, False, None), (64, 8, 4, True, None),
-                                (64, 8, 3, False, None), (64, 8, 4, True, 128), (64, 8, 3, False, 128),
-                                (64, 8, 3, True, 128), (128, 8, 3, True, None), (32, 4, 4, True, None)):
-        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}{f' r{reg}' if reg else ''}",
+    # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4)).
+    # m32: three programs of 32 rows per tile (no padding row, mma.sync instead of wgmma, each gathering the keys)
+    for bn, nw, ns, pf, reg, bm in ((64, 4, 4, True, None, None), (64, 4, 3, False, None, None),
+                                    (64, 8, 4, True, None, None), (64, 8, 3, False, None, None),
+                                    (64, 8, 4, True, 128, None), (64, 8, 3, False, 128, None),
+                                    (64, 8, 3, True, 128, None), (128, 8, 3, True, None, None),
+                                    (32, 4, 4, True, None, None), (64, 2, 4, True, None, 32),
+                                    (64, 4, 4, True, None, 32)):
+        timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}{f' r{reg}' if reg else ''}"
+              f"{f' m{bm}' if bm else ''}",
               lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf,
-                                        maxnreg=reg))
+                                        maxnreg=reg, block_m=bm))
     results["sweep_32k"] = out
 
 
