@@ -168,6 +168,10 @@ def sweep(results):
     lse = tp.prefill_lse(q, k, scale=sc)
     # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
     # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
+    # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions);
+    # fma8: 60 MUFU (480 cycles) against 463 instructions
+    for fma in (0, 8):
+        timed(f"smollm2 lse-only{f' fma{fma}' if fma else ''}", lambda: tp.prefill_lse(q, k, scale=sc, fma_exp=fma))
     for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4)):
         timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}", lambda: tp.select_prefill(
             q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma, _scores_only=True))

@@ -61,11 +61,14 @@ def variants():
         M0, bn, nw, ns = tp._dense_config(G, D, True)
         BQ, Mr = tp._rows(G, M0)
         yield (f"prefill dense D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False, POLY=0),
+               nw, ns)
         M0, bn, nw, ns = tp._dense_config(G, D, False)
         BQ, Mr = tp._rows(G, M0)
-        yield (f"prefill lse D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+        for poly in (tp.LSE_FMA_EXP, 8):  # 8: the sweep's FMA exponentials
+            yield (f"prefill lse D{D}" + (f" fma{poly}" if poly else ""), tp._dense_kernel,
+                   dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
+                        POLY=poly), nw, ns)
         for Gs in (G, 6) if D == 128 else (G,):  # G = 6: two blocks, 128 + 64 rows, with the first reloaded
             M, NSUB, MR = tp._score_rows(Gs, T)
             bn, nw, ns = tp._score_config(D, NSUB)

@@ -85,6 +85,9 @@ def test_prefill_kernels_match_reference(case):
     # the LSE against fp64 logsumexp of the valid causal rows
     check_lse(lse, q, k, kv_start, q_offset, scale, "LSE")
     check_lse(lse_only, q, k, kv_start, q_offset, scale, "QK-only LSE")
+    for fma in (1, 2):  # every (other) group of 8 keys' exponentials on the FMA pipes
+        check_lse(tp.prefill_lse(qd, kk, fma_exp=fma, **pos, **blk), q, k, kv_start, q_offset, scale,
+                  f"QK-only LSE, fma_exp={fma}")
 
     # selection: given the LSE, computing its own, with a buffer so small that every chunk is one tile, with
     # chunks of a few tiles (their budgets differ: the chunk's largest one sizes its top-k), and int32 indices

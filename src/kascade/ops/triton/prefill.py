@@ -41,13 +41,46 @@ from .common import LOG2E, dot, flags, num_sms, to_out
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _exp2_fma(x):
+    """``2**x`` on the FMA pipes, for the scoring pass's ``x <= 0`` (``-inf`` included): ``x = j + f`` with ``j``
+    an integer (rounded by adding 1.5 * 2**23, whose low mantissa bits then hold it) and ``f`` in [-0.5, 0.5], a
+    degree-5 polynomial for ``2**f`` (relative error 2.3e-7, as ``MUFU.EX2``'s own) and ``j`` added into its exponent
+    bits; 0 below 2**-126, where the result would be subnormal (``MUFU.EX2`` flushes those too). 13 instructions,
+    each one issue cycle of a warp, where the SFU takes 8 cycles per warp for one ``MUFU.EX2``."""
+    xc = tl.maximum(x, -127.0)
+    t = xc + 12582912.0
+    f = xc - (t - 12582912.0)
+    p = 0.001326697412878275 * f + 0.009675459936261177
+    p = p * f + 0.05550742521882057
+    p = p * f + 0.24022121727466583
+    p = p * f + 0.6931469440460205
+    p = p * f + 1.0000001192092896
+    y = (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+    return tl.where(x < -126.0, 0.0, y)
+
+
+@triton.jit
+def _exp2_cols(x, POLY: tl.constexpr):
+    """``2**x`` of a ``[R, C]`` MMA-layout tile: every POLY-th group of 8 columns on the FMA pipes
+    (:func:`_exp2_fma`), the others on the SFU (0: all on the SFU, whose 16 exponentials per SM and cycle bound the
+    QK-only passes at D = 64 and the scoring pass). A thread of the wgmma accumulator layout holds whole groups of 8
+    columns, so the choice folds per register at compile time; ``mma.sync``'s layout (the D = 256 scoring pass)
+    does not fold it: both are computed, then selected."""
+    if POLY > 0:
+        cols = tl.arange(0, x.shape[1])
+        return tl.where(((cols // 8) % POLY == 0)[None, :], _exp2_fma(x), tl.exp2(x))
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
-                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False):
+                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False, POLY: tl.constexpr = 0):
     """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``. GUARD: some row may have seen no
     key yet (all -inf), so keep exp2 finite. ``ok``: a boolean ``[M, BN]`` (or broadcastable) mask, ignored with
     ALL_VALID (every key valid): the scale then goes into the exponential's fused multiply-add and the row maximum
     is taken before it (exact: scaling by a positive number keeps the order), a multiply, compare and select per
-    score fewer."""
+    score fewer. POLY: part of the exponentials on the FMA pipes (:func:`_exp2_cols`)."""
     s = dot(q, tl.trans(kt), F32)  # [M, BN]
     if ALL_VALID:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
@@ -60,9 +93,9 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     if ALL_VALID:
-        p = tl.exp2(s * qk_scale - m_use[:, None])
+        p = _exp2_cols(s * qk_scale - m_use[:, None], POLY)
     else:
-        p = tl.exp2(s - m_use[:, None])
+        p = _exp2_cols(s - m_use[:, None], POLY)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_V:
         pv = to_out(p, vt.dtype, RNE)
@@ -79,9 +112,10 @@ def _dense_kernel(
     stride_ob, stride_oh, stride_ol,
     L, q_offset, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
+    HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, POLY: tl.constexpr,
 ):
-    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major)."""
+    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major). POLY: every POLY-th
+    group of 8 keys of a block takes its exponentials on the FMA pipes (:func:`_exp2_cols`)."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # longest blocks first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -119,7 +153,8 @@ def _dense_kernel(
             v_ptr += BLOCK_N * stride_vn
         else:
             vt = kt
-        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True)
+        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True,
+                                     POLY)
         k_ptr += BLOCK_N * stride_kn
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
@@ -132,7 +167,7 @@ def _dense_kernel(
         else:
             vt = kt
         ok = (kpos[None, :] <= slot[:, None]) & km[None, :]
-        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True)
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True, False, POLY)
 
     has = l_i > 0
     if HAS_V:
@@ -162,40 +197,13 @@ def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql
 
 
 @triton.jit
-def _exp2_fma(x):
-    """``2**x`` on the FMA pipes, for the scoring pass's ``x <= 0`` (``-inf`` included): ``x = j + f`` with ``j``
-    an integer (rounded by adding 1.5 * 2**23, whose low mantissa bits then hold it) and ``f`` in [-0.5, 0.5], a
-    degree-5 polynomial for ``2**f`` (relative error 2.3e-7, as ``MUFU.EX2``'s own) and ``j`` added into its exponent
-    bits; 0 below 2**-126, where the result would be subnormal (``MUFU.EX2`` flushes those too). 13 instructions,
-    each one issue cycle of a warp, where the SFU takes 8 cycles per warp for one ``MUFU.EX2``."""
-    xc = tl.maximum(x, -127.0)
-    t = xc + 12582912.0
-    f = xc - (t - 12582912.0)
-    p = 0.001326697412878275 * f + 0.009675459936261177
-    p = p * f + 0.05550742521882057
-    p = p * f + 0.24022121727466583
-    p = p * f + 0.6931469440460205
-    p = p * f + 1.0000001192092896
-    y = (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-    return tl.where(x < -126.0, 0.0, y)
-
-
-@triton.jit
 def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr, POLY: tl.constexpr):
     """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``: ``[BN]``. Scores
     transposed, [BN keys, rows], so that pooling over rows is the cheap in-thread / in-warp reduction of the MMA
-    layout rather than one across warps. POLY > 0: the rows of every POLY-th group of 8 take their exponentials on
-    the FMA pipes (:func:`_exp2_fma`), the others on the SFU, whose 16 exponentials per SM and cycle otherwise bound
-    the pass; a thread holds whole groups of 8 rows of the MMA layout, so the choice is made per register at
-    compile time."""
+    layout rather than one across warps. POLY: every POLY-th group of 8 rows takes its exponentials on the FMA
+    pipes (:func:`_exp2_cols`)."""
     s = dot(kt, tl.trans(q), F32) * qk_scale
-    x = s - lse2[None, :]
-    if POLY > 0:
-        rows = tl.arange(0, q.shape[0])
-        p = tl.where(((rows // 8) % POLY == 0)[None, :], _exp2_fma(x), tl.exp2(x))
-    else:
-        p = tl.exp2(x)
-    return tl.sum(p, 1)
+    return tl.sum(_exp2_cols(s - lse2[None, :], POLY), 1)
 
 
 @triton.jit
@@ -454,14 +462,16 @@ def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, re
     return (out, lse) if return_lse else out
 
 
-def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) -> torch.Tensor:
-    """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass)."""
+def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, fma_exp=None, **cfg) -> torch.Tensor:
+    """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass). ``fma_exp``:
+    every ``fma_exp``-th group of 8 keys of a block takes its exponentials on the FMA pipes (:func:`_exp2_cols`; 0:
+    none; default :data:`LSE_FMA_EXP`); other keywords: the launch (block_m, block_n, num_warps, num_stages)."""
     return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=False,
-                      write_lse=True, **cfg)[1]
+                      write_lse=True, fma_exp=LSE_FMA_EXP if fma_exp is None else fma_exp, **cfg)[1]
 
 
 def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v, write_lse, out=None, block_m=None,
-               block_n=None, num_warps=None, num_stages=None, geometry=None):
+               block_n=None, num_warps=None, num_stages=None, fma_exp=0, geometry=None):
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
@@ -480,7 +490,7 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
         L, q_offset, scale * LOG2E,
-        G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
+        G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne, POLY=fma_exp,
         num_warps=num_warps or nw, num_stages=num_stages or ns,
     )
     return (out if has_v else None), (lse if write_lse else None)
@@ -525,10 +535,13 @@ def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
 TOPK_BOUND = True
 
 
-# The scoring pass's exponentials on the FMA pipes: every SCORE_FMA_EXP-th group of 8 rows of a block (0: none, all
-# on the SFU). Compiled for sm_90 (Llama shapes), per warp and block of 64 keys: 64 MUFU.EX2 (512 SFU cycles) and
-# 294 instructions with 0; 56 and ~390 with 8; 48 and ~490 with 4. Not yet timed: off until a sweep says otherwise.
+# Exponentials on the FMA pipes (_exp2_cols): in the scoring pass every SCORE_FMA_EXP-th group of 8 rows of a block,
+# in the QK-only LSE pass every LSE_FMA_EXP-th group of 8 keys (0: none, all on the SFU). Compiled for sm_90, per warp
+# and block: the scoring pass at D = 128, 64 MUFU.EX2 (512 SFU cycles) and 294 instructions with 0, 56 and 392 with
+# 8, 48 and 469 with 4; at D = 64 (the default model) the QK-only pass's 68 MUFU (544 cycles) against 368
+# instructions leave room too. Not yet timed: off until a sweep says otherwise (docs/benchmarks/prefill.md).
 SCORE_FMA_EXP = 0
+LSE_FMA_EXP = 0
 
 
 # The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
