@@ -69,13 +69,16 @@ def variants():
             yield (f"prefill lse D{D}" + (f" fma{poly}" if poly else ""), tp._dense_kernel,
                    dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
                         POLY=poly), nw, ns)
-        for Gs in (G, 6) if D == 128 else (G,):  # G = 6: two blocks, 128 + 64 rows, with the first reloaded
-            M, NSUB, MR = tp._score_rows(Gs, T)
+        # G = 6: two blocks, 128 + 64 rows, with the first reloaded; fma8: the sweep's FMA exponentials; tiles2: two
+        # tiles a program (the sweep's)
+        for Gs, poly, tiles in ((G, tp.SCORE_FMA_EXP, tp.SCORE_TILES), (G, 8, tp.SCORE_TILES), (G, 0, 2),
+                                *(((6, tp.SCORE_FMA_EXP, tp.SCORE_TILES),) if D == 128 else ())):
+            M, NSUB, MR = tp._score_rows(Gs, T, None, tiles)
             bn, nw, ns = tp._score_config(D, NSUB)
-            for poly in (tp.SCORE_FMA_EXP, 8) if Gs == G else (tp.SCORE_FMA_EXP,):  # 8: the sweep's FMA exponentials
-                yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else ""),
-                       tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
-                                              NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly), nw, ns)
+            yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else "")
+                   + (f" tiles{tiles}" if tiles > 1 else ""),
+                   tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
+                                          NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly, TL=tiles), nw, ns)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,

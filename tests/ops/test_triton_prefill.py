@@ -101,6 +101,9 @@ def test_prefill_kernels_match_reference(case):
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
                      ("16-row scoring blocks", {"tile_rows": 16}),
                      ("exponentials on the FMA pipes", {"fma_exp": 1}), ("every other group on them", {"fma_exp": 2}),
+                     ("two tiles a program", {"tiles": 2}), ("two tiles, few-tile chunks", {"tiles": 2,
+                                                                                           "max_chunk_bytes": few}),
+                     ("two tiles, 16-row blocks", {"tiles": 2, "tile_rows": 16}),
                      ("torch.topk", {"method": "topk"}),
                      ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
