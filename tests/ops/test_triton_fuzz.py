@@ -237,6 +237,10 @@ def draw(index: int) -> Case:
         options = _options(rng, op)
         if op == "select_prefill":  # both top-k methods, alternating (drawn apart from rng: the other cases stay)
             options["method"] = ("topk", "radix")[(index // len(OPS)) % 2]
+            # the scoring pass's options in turn: plain, part of the exponentials on the FMA pipes, two tiles a program
+            options["scoring"] = ("plain", "fma", "tiles2")[(index // (2 * len(OPS))) % 3]
+        if op == "sparse_prefill":  # the lazy rescale every other time (apart from rng too)
+            options["lazy"] = (index // len(OPS)) % 2 == 1
         options = tuple(options.items())
         case = Case(index, op, B, H, G, D, dtype, N, L, q_offset, kv_start, budget, options)
         if _selects(case):
@@ -500,12 +504,15 @@ def run_dense_prefill(c: Case, x: Inputs) -> None:
 def run_select_prefill(c: Case, x: Inputs) -> None:
     o = c.opts
     kw = dict(_chunk_bytes(c), **({"block_n": o["block_n"]} if o["block_n"] else {}))
+    fma = 2 if o["scoring"] == "fma" else 0  # every other group of 8 rows (keys in the LSE pass) on the FMA pipes
+    kw.update(fma_exp=fma, tiles=2 if o["scoring"] == "tiles2" else 1)
     with poisoned_allocations():
         if o["lse"] == "given":
-            kw["lse"] = tp.prefill_lse(x.qd, x.kd, **x.pos)
+            kw["lse"] = tp.prefill_lse(x.qd, x.kd, fma_exp=fma, **x.pos)
         sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, depth=o["depth"], method=o["method"],
                                 index_dtype=torch.int32 if o["int32"] else None, **x.pos, **kw)
-    _prefill_selection(c, x, sel, o["depth"], o["int32"], f"select_prefill ({o['lse']} LSE, {o['method']})")
+    _prefill_selection(c, x, sel, o["depth"], o["int32"],
+                       f"select_prefill ({o['lse']} LSE, {o['method']}, {o['scoring']} scoring)")
 
 
 def run_dense_select_prefill(c: Case, x: Inputs) -> None:
@@ -535,8 +542,9 @@ def run_sparse_prefill(c: Case, x: Inputs) -> None:
     kernel_sel = Selection(dev(idx), dev(sel.row_start), sel.tile, False, sel.ranked)
     with poisoned_allocations():
         got = tp.sparse_prefill(x.qd, x.kd, x.vd, kernel_sel, counts=None if counts is None else dev(counts),
-                                **x.out(), **x.pos, **_blocks(o))
-    check_close(got, *x.sparse(sel), f"sparse_prefill ({o['rows']} rows)", floor=1e-5)
+                                lazy=o["lazy"], **x.out(), **x.pos, **_blocks(o))
+    check_close(got, *x.sparse(sel), f"sparse_prefill ({o['rows']} rows{', lazy' if o['lazy'] else ''})",
+                floor=1e-5)
     _check_padding_zeros(got, x, "sparse_prefill")
 
 
@@ -577,6 +585,8 @@ def test_the_cases_cover_every_variant():
     assert seen["B"] == {1, 2, 3} and seen["H"] == {1, 2, 3}
     assert seen["prefill call"] == {"chunked", "whole"} and seen["padding"] == {"none", "before", "covers"}
     assert seen["decode tail"] == {True, False}
+    assert seen[("select_prefill", "scoring")] == {"plain", "fma", "tiles2"}
+    assert seen[("select_prefill", "method")] == {"topk", "radix"} and seen[("sparse_prefill", "lazy")] == {False, True}
     assert SCALE > 1 or set(KNOWN_FAILURES) <= {c.id for c in CASES}, "a known failure is no longer drawn"
     rng = random.Random(0)
     anywhere, drawn = collections.defaultdict(set), collections.defaultdict(set)
