@@ -333,8 +333,8 @@ def _score_kernel(
                             stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY, TL)
         kpos = lo + j * BLOCK_N + offs_n
         tl.store(buf + kpos, p0)
-        if TL == 2:
-            tl.store(buf + stride_bc + kpos, p1, mask=has1)
+        if TL == 2:  # (none where the second tile is past its sequence: its -inf fill below must be the only store)
+            tl.store(buf + stride_bc + kpos, p1, mask=kpos < hi_s1)
         k_ptr += BLOCK_N * stride_kn
     hi_k = tl.maximum(hi_s, hi_s1)
     for j0 in range(lo + n_whole * BLOCK_N, hi_k, BLOCK_N):
