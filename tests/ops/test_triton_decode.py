@@ -148,7 +148,11 @@ def test_radix_selection_breaks_exact_ties_by_position(scores):
     for b in range(B):  # sequence 1 has only n[1] valid keys: its statistics cover those
         mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
-    hist = torch.zeros(B * H, topk.NHIST, dtype=torch.int32)
+    # zeroed as the scoring pass leaves it (topk.zero_hist): the bins beyond topk.HOT and the tickets hold garbage,
+    # which a fallback row zeroes itself before counting into them
+    hist = torch.full((B * H, topk.NHIST), 777, dtype=torch.int32)
+    hist[:, : topk.HOT] = 0
+    hist[:, topk.TICKETS:] = 0
     indices = topk.select_rows(dev(sc.contiguous()), dev(mx.contiguous()), dev(ls.contiguous()), dev(hist), 1, meta,
                                B, H, G, method="radix", chunk=64).cpu()
     for b in range(B):

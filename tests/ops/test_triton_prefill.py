@@ -341,6 +341,31 @@ def test_rows_into_writes_offset_slots_into_strided_rows():
         assert torch.equal(out.cpu(), want), dtype
 
 
+@pytest.mark.parametrize("mass", ["row-sum", "none"])
+def test_rows_into_needs_only_the_hot_bins_zeroed(mass):
+    """The scoring passes zero only the histogram bins every selection counts into and the tickets
+    (topk.zero_hist: topk.HOT of them); a row that takes the fallback path (no bound: every row) zeroes the others
+    itself before counting into them. Bins beyond HOT hold garbage here; the selection is exact all the same."""
+    g = torch.Generator().manual_seed(21)
+    R, W = 6, sized(500) + 5
+    vals = torch.rand(R, W, generator=g) ** 4
+    counts = torch.randint(1, W // 3, (R,), generator=g)
+    meta = torch.stack([torch.zeros(R, dtype=torch.long), torch.full((R,), W), counts, torch.zeros(R, dtype=torch.long)],
+                       -1)
+    hist = torch.full((R, topk.NHIST), 12345, dtype=torch.int32)
+    hist[:, : topk.HOT] = 0
+    hist[:, topk.TICKETS:] = 0
+    kc = int(counts.max())
+    out = dev(torch.full((R, 1, kc), -7, dtype=torch.long))
+    bound = float(vals.sum(-1).max()) if mass == "row-sum" else None
+    topk.rows_into(dev(vals), dev(meta.to(torch.int32)), dev(hist), kc, out, mass=bound, chunk=64)
+    for r in range(R):
+        c = int(counts[r])
+        top = sorted(sorted(range(W), key=lambda j: (-float(vals[r, j]), j))[:c])
+        assert out[r, 0, :c].cpu().tolist() == top, f"row {r}"
+        assert (out[r, 0, c:] == -1).all()
+
+
 @pytest.mark.parametrize("mass", ["row-sum", "none", "too-small"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
 def test_row_topk_is_exact_with_ties_and_padding(ranked, mass):

@@ -92,10 +92,7 @@ def _split_kernel(
 
     if WRITE_SCORES:
         if split == 0:  # the selection's histograms for this row start from zero
-            offs_hz = tl.arange(0, 1024)
-            for z in range(0, NHIST, 1024):
-                tl.store(Hist + (b * H + h) * NHIST + z + offs_hz, tl.zeros([1024], tl.int32),
-                         mask=z + offs_hz < NHIST)
+            topk.zero_hist(Hist + (b * H + h) * NHIST)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)

@@ -291,12 +291,11 @@ def _score_kernel(
     has1 = (TL == 2) & (c + 1 < C)  # the second tile is in the chunk
     if ZERO_HIST:
         if split == 0:
-            offs_z = tl.arange(0, 1024)
             hrow = Hist + (hb * C + c).to(tl.int64) * NHIST
-            for z in range(0, NHIST, 1024):
-                tl.store(hrow + z + offs_z, tl.zeros([1024], tl.int32), mask=z + offs_z < NHIST)
-                if TL == 2:
-                    tl.store(hrow + NHIST + z + offs_z, tl.zeros([1024], tl.int32), mask=has1 & (z + offs_z < NHIST))
+            topk.zero_hist(hrow)
+            if TL == 2:
+                if has1:
+                    topk.zero_hist(hrow + NHIST)
     H = HQ // G
     h = hb % H
     b = hb // H

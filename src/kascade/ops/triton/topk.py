@@ -36,13 +36,20 @@ import triton.language as tl
 # tl.histogram with 4096 bins (docs/benchmarks/decode.md).
 FIRST_BITS = 2
 FIRST_BINS = 64 << FIRST_BITS
-# Histogram bins per row (the scoring pass zeroes them), as the kernels lay them out: the first histogram's, three
-# refining histograms of 4096, then the tickets of the passes (one counter per level, see _last_finds).
+# Histogram bins per row, as the kernels lay them out: the first histogram's, three refining histograms of 4096, then
+# the tickets of the passes (one counter per level, see _last_finds).
 TICKETS = FIRST_BINS + 3 * 4096
 NHIST = TICKETS + 8
+# The bins a row's common path uses, which the scoring pass zeroes (zero_hist): the first histogram, the first
+# refining one (12 bits) and the start of the second (the 11 - FIRST_BITS bits left), then the tickets. A row whose
+# k-th key falls outside the first histogram's window (the fallback: 12 + 12 + 7 bits) zeroes the rest of the second
+# and the start of the third in its bin search, before the passes that count into them (_find_level).
+HOT = FIRST_BINS + 4096 + (1 << (11 - FIRST_BITS))
 _FB = tl.constexpr(FIRST_BITS)  # the kernels' copies (a kernel reads only constexpr globals)
 _NB = tl.constexpr(FIRST_BINS)
 _TK = tl.constexpr(TICKETS)
+_HOT = tl.constexpr(HOT)
+_LAST = tl.constexpr(1 << (11 - FIRST_BITS))  # bins of the common path's last refining histogram
 # Keys per program in the selection passes.
 SELECT_CHUNK = 2048
 
@@ -61,6 +68,15 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
     sel = tl.sum((at_or_above >= kneed).to(tl.int32), 0) - 1
     above = tl.sum(tl.where(offs > sel, cnt, 0), 0)
     return sel, kneed - above
+
+
+@triton.jit
+def zero_hist(hrow):
+    """Zeroes the bins of one row's histograms that every selection counts into (:data:`HOT`) and its tickets."""
+    offs = tl.arange(0, 1024)
+    for z in range(0, _HOT, 1024):
+        tl.store(hrow + z + offs, tl.zeros([1024], tl.int32), mask=z + offs < _HOT)
+    tl.store(hrow + _TK + tl.arange(0, 8), tl.zeros([8], tl.int32))
 
 
 @triton.jit
@@ -158,13 +174,20 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
         prefix = tl.where(inside, (e_hi << _FB) - (_NB - 1) + sel, 0)
         known = tl.where(inside, 8 + _FB, 0)  # else the fallback: the whole pattern from the top, every key
         r = tl.where(inside, r, kk)
+        if (sel <= 0) | (sel >= _NB - 1):  # the fallback counts into bins that zero_hist left: zero them
+            offs = tl.arange(0, 1024)
+            for z in range(_HOT, _NB + 2 * 4096 + _LAST, 1024):  # (the third's first _LAST: its bin search's)
+                tl.store(hrow + z + offs, tl.zeros([1024], tl.int32), mask=z + offs < _NB + 2 * 4096 + _LAST)
     else:
         prefix = tl.load(rd + 0)
         known = tl.load(rd + 1)
         r = tl.load(rd + 2)
         if known < 31:
             bits = tl.minimum(12, 31 - known)
-            sel, r2 = _find_bin(hrow + _NB + (LEVEL - 3) * 4096, r, 4096)
+            if bits <= 11 - _FB:  # the common path's last pass (or the fallback's): only the first bins can count
+                sel, r2 = _find_bin(hrow + _NB + (LEVEL - 3) * 4096, r, _LAST)
+            else:
+                sel, r2 = _find_bin(hrow + _NB + (LEVEL - 3) * 4096, r, 4096)
             prefix = (prefix << bits) | sel
             known = known + bits
             r = r2
@@ -283,7 +306,8 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
     ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta``
     (:class:`kascade.ops.step.DecodeMeta`) gives each row's count ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores
-    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed.
+    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed (its
+    :data:`HOT` bins and tickets at least, :func:`zero_hist`).
     ``method``: "radix" (exact, ties to the earliest keys) or "topk" (``torch.topk`` on the pooled row). Ascending
     slots, or with ``ranked`` in descending pooled probability (the radix select picks the keys, then only they are
     sorted)."""
@@ -328,7 +352,8 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     (exact; ties at the threshold: the earliest positions) as ascending positions plus ``meta[r, 0]``, written with
     -1 padding to ``kc`` straight into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]`` of
     a 3-d view whose last dim is contiguous: a chunk of a prefill selection's rows in place). ``meta [R, 4]`` int32
-    on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed; ``kc >=`` every count;
+    on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed (its :data:`HOT` bins and
+    tickets at least); ``kc >=`` every count;
     ``mass``: as :func:`row_topk`'s. No memset, copy or write-back launches beside the kernels: a prefill selection
     at 128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md)."""
     R, W = vals.shape
