@@ -149,6 +149,11 @@ def sweep(results):
         timed(f"scores only bn{bn} w{nw} s{ns}{f' fma{fma}' if fma else ''}{' t2' if tl2 == 2 else ''}",
               lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
                                         num_stages=ns, fma_exp=fma, tiles=tl2, _scores_only=True))
+    # the radix top-k's keys per program (default 2048): fewer, longer programs for its fixed per-program chain
+    # (state, keys, atomics, ticket) in each of its six launches per chunk
+    for ch in (2048, 4096, 8192):
+        timed(f"select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                             topk_chunk=ch))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     first = first_keys(sel)
     # bm: rows per program (None: the tile's G * T; 64: two programs per tile gathering the same keys). pf: the

@@ -104,6 +104,7 @@ def test_prefill_kernels_match_reference(case):
                      ("two tiles a program", {"tiles": 2}), ("two tiles, few-tile chunks", {"tiles": 2,
                                                                                            "max_chunk_bytes": few}),
                      ("two tiles, 16-row blocks", {"tiles": 2, "tile_rows": 16}),
+                     ("radix, 4096-key programs", {"topk_chunk": 4096}),
                      ("torch.topk", {"method": "topk"}),
                      ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
         sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)

@@ -624,8 +624,8 @@ ALLOCATOR_RESERVE = 3 / 64
 
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, tile_rows=None, fma_exp=None, tiles=None, method="radix", _scores_only=False,
-                   **lse_cfg) -> Selection:
+                   num_stages=None, tile_rows=None, fma_exp=None, tiles=None, method="radix", topk_chunk=None,
+                   _scores_only=False, **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -644,7 +644,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
-    docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
+    docs/benchmarks/prefill.md) or "topk" (``torch.topk``); ``topk_chunk``: keys per program of the radix passes
+    (default and least :data:`kascade.ops.triton.topk.SELECT_CHUNK`, which the scratch bound's accounting assumes).
 
     Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 3/64 of it kept for the caching
     allocator (:data:`ALLOCATOR_RESERVE`). When the LSE is not given it is made for a group of sequences
@@ -674,7 +675,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
                block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
                fma_exp=SCORE_FMA_EXP if fma_exp is None else fma_exp, tiles=tiles or SCORE_TILES,
-               scores_only=_scores_only)
+               topk_chunk=topk_chunk, scores_only=_scores_only)
     g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
@@ -697,7 +698,7 @@ def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
                   T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, fma_exp, tiles,
-                  scores_only):
+                  topk_chunk, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
     per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
@@ -715,6 +716,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
     assert tiles in (1, 2), tiles
+    assert topk_chunk is None or (topk_chunk >= topk.SELECT_CHUNK and topk_chunk & (topk_chunk - 1) == 0), topk_chunk
     M, NSUB, MR = _score_rows(G, T, tile_rows, tiles)
     bn, nw, ns = _score_config(D, NSUB)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
@@ -786,7 +788,8 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 pass
             elif direct:
                 topk.rows_into(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], hist, kc,
-                               indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass)
+                               indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass,
+                               chunk=topk_chunk and min(topk_chunk, triton.next_power_of_2(W)))
                 del hist
             else:
                 top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
