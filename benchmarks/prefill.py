@@ -160,18 +160,13 @@ def sweep(results):
     # indices loaded an iteration ahead (prefetch), after which Triton 3.6 keeps num_stages - 1 blocks of gathered K / V
     # rows in flight. Until run 10 every configuration had its wgmma instructions serialised by ptxas (the own-tile
     # block after the loop), and until run 11 the loop masked every block (a fifth of its instructions).
-    # lazy: the loop's rescale only when a row's maximum grew past LAZY_GROWTH (333 instructions per warp and block
-    # on the common path against 378)
-    for bn, nw, ns, bm, pf, lazy in ((64, 8, 3, None, True, False), (64, 8, 4, None, True, False),
-                                     (64, 8, 3, None, False, False), (128, 8, 2, None, True, False),
-                                     (128, 8, 2, None, False, False), (128, 8, 3, None, False, False),
-                                     (32, 4, 4, None, True, False), (64, 4, 3, None, False, False),
-                                     (64, 4, 3, 64, False, False), (64, 8, 3, None, True, True),
-                                     (64, 8, 4, None, True, True)):
-        cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, block_m=bm, prefetch=pf, lazy=lazy)
-        timed(f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}{' prefetch' if pf else ''}{' lazy' if lazy else ''}",
+    for bn, nw, ns, bm, pf in ((64, 8, 3, None, True), (64, 8, 4, None, True), (64, 8, 3, None, False),
+                               (128, 8, 2, None, True), (128, 8, 2, None, False), (128, 8, 3, None, False),
+                               (32, 4, 4, None, True), (64, 4, 3, None, False), (64, 4, 3, 64, False)):
+        cfg = dict(block_n=bn, num_warps=nw, num_stages=ns, block_m=bm, prefetch=pf)
+        timed(f"sparse bn{bn} w{nw} s{ns} m{bm or 'tile'}{' prefetch' if pf else ''}",
               lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, **cfg))
-        if (bn, nw, ns, bm, pf, lazy) in ((64, 8, 3, None, True, False), (128, 8, 2, None, False, False)):
+        if (bn, nw, ns, bm, pf) in ((64, 8, 3, None, True), (128, 8, 2, None, False)):
             timed(f"sparse first keys bn{bn} w{nw} s{ns} m{bm or 'tile'}",
                   lambda: tp.sparse_prefill(q, k, v, first, scale=sc, **cfg))
     HQ, H, D = MODELS["smollm2-135m"]
@@ -191,18 +186,17 @@ def sweep(results):
               lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma,
                                         tiles=tl2, _scores_only=True))
     # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4)).
-    # m32: three programs of 32 rows per tile (no padding row, mma.sync instead of wgmma, each gathering the keys);
-    # lazy: the loop's rescale only when a row's maximum grew enough (507 instructions on the common path, 551)
-    for bn, nw, ns, pf, reg, bm, lazy in ((64, 4, 4, True, None, None, False), (64, 4, 3, False, None, None, False),
-                                          (64, 8, 4, True, None, None, False), (64, 8, 3, False, None, None, False),
-                                          (64, 8, 4, True, 128, None, False), (64, 8, 3, False, 128, None, False),
-                                          (64, 8, 3, True, 128, None, False), (128, 8, 3, True, None, None, False),
-                                          (32, 4, 4, True, None, None, False), (64, 2, 4, True, None, 32, False),
-                                          (64, 4, 4, True, None, 32, False), (64, 4, 4, True, None, None, True)):
+    # m32: three programs of 32 rows per tile (no padding row, mma.sync instead of wgmma, each gathering the keys)
+    for bn, nw, ns, pf, reg, bm in ((64, 4, 4, True, None, None), (64, 4, 3, False, None, None),
+                                    (64, 8, 4, True, None, None), (64, 8, 3, False, None, None),
+                                    (64, 8, 4, True, 128, None), (64, 8, 3, False, 128, None),
+                                    (64, 8, 3, True, 128, None), (128, 8, 3, True, None, None),
+                                    (32, 4, 4, True, None, None), (64, 2, 4, True, None, 32),
+                                    (64, 4, 4, True, None, 32)):
         timed(f"smollm2 sparse bn{bn} w{nw} s{ns}{' prefetch' if pf else ''}{f' r{reg}' if reg else ''}"
-              f"{f' m{bm}' if bm else ''}{' lazy' if lazy else ''}",
+              f"{f' m{bm}' if bm else ''}",
               lambda: tp.sparse_prefill(q, k, v, sel, scale=sc, block_n=bn, num_warps=nw, num_stages=ns, prefetch=pf,
-                                        maxnreg=reg, block_m=bm, lazy=lazy))
+                                        maxnreg=reg, block_m=bm))
     results["sweep_32k"] = out
 
 

@@ -81,10 +81,9 @@ def variants():
                                           NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly, TL=tiles), nw, ns)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead = tp._sparse_config(D)
-        for lazy in (tp.SPARSE_LAZY, True) if not tp.SPARSE_LAZY else (True,):  # True: the sweep's lazy rescale
-            yield (f"prefill sparse D{D}" + (" lazy" if lazy and not tp.SPARSE_LAZY else ""), tp._sparse_kernel,
-                   dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
-                        PREFETCH=ahead, LAZY=lazy), nw, ns)
+        yield (f"prefill sparse D{D}", tp._sparse_kernel,
+               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
+                    PREFETCH=ahead), nw, ns)
     ch = topk.SELECT_CHUNK
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
     yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3

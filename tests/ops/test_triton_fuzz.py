@@ -239,8 +239,6 @@ def draw(index: int) -> Case:
             options["method"] = ("topk", "radix")[(index // len(OPS)) % 2]
             # the scoring pass's options in turn: plain, part of the exponentials on the FMA pipes, two tiles a program
             options["scoring"] = ("plain", "fma", "tiles2")[(index // (2 * len(OPS))) % 3]
-        if op == "sparse_prefill":  # the lazy rescale every other time (apart from rng too)
-            options["lazy"] = (index // len(OPS)) % 2 == 1
         options = tuple(options.items())
         case = Case(index, op, B, H, G, D, dtype, N, L, q_offset, kv_start, budget, options)
         if _selects(case):
@@ -542,9 +540,8 @@ def run_sparse_prefill(c: Case, x: Inputs) -> None:
     kernel_sel = Selection(dev(idx), dev(sel.row_start), sel.tile, False, sel.ranked)
     with poisoned_allocations():
         got = tp.sparse_prefill(x.qd, x.kd, x.vd, kernel_sel, counts=None if counts is None else dev(counts),
-                                lazy=o["lazy"], **x.out(), **x.pos, **_blocks(o))
-    check_close(got, *x.sparse(sel), f"sparse_prefill ({o['rows']} rows{', lazy' if o['lazy'] else ''})",
-                floor=1e-5)
+                                **x.out(), **x.pos, **_blocks(o))
+    check_close(got, *x.sparse(sel), f"sparse_prefill ({o['rows']} rows)", floor=1e-5)
     _check_padding_zeros(got, x, "sparse_prefill")
 
 
@@ -586,7 +583,7 @@ def test_the_cases_cover_every_variant():
     assert seen["prefill call"] == {"chunked", "whole"} and seen["padding"] == {"none", "before", "covers"}
     assert seen["decode tail"] == {True, False}
     assert seen[("select_prefill", "scoring")] == {"plain", "fma", "tiles2"}
-    assert seen[("select_prefill", "method")] == {"topk", "radix"} and seen[("sparse_prefill", "lazy")] == {False, True}
+    assert seen[("select_prefill", "method")] == {"topk", "radix"}
     assert SCALE > 1 or set(KNOWN_FAILURES) <= {c.id for c in CASES}, "a known failure is no longer drawn"
     rng = random.Random(0)
     anywhere, drawn = collections.defaultdict(set), collections.defaultdict(set)

@@ -103,32 +103,6 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
     return m_new, l_i, acc
 
 
-# How far (log2) a row's maximum may grow past the one its exponentials are taken against before the lazy online
-# softmax rescales (_lazy_step): its weights then stay <= 2**8, in fp32 sums and in p's 16-bit copy alike.
-LAZY_GROWTH = tl.constexpr(8.0)  # (a kernel reads only constexpr globals)
-
-
-@triton.jit
-def _lazy_step(q, kt, vt, m_i, l_i, acc, qk_scale, F32: tl.constexpr, RNE: tl.constexpr):
-    """:func:`_online_step` for a block whose keys are all valid, where every row has a finite maximum already, with
-    the rescale of ``acc`` and ``l_i`` (an ``acc`` multiply per element, a sixth of the sparse loop's instructions)
-    only when some row's maximum grew by more than :data:`LAZY_GROWTH`; otherwise the block's exponentials are taken
-    against the rows' earlier maxima (weights up to ``2**LAZY_GROWTH``). Exact either way: ``m_i``, ``l_i`` and
-    ``acc`` stay consistent, and the output is ``acc / l_i``. The test is one per program (a reduction across its
-    warps), so the branch is uniform."""
-    s = dot(q, tl.trans(kt), F32)  # [M, BN]
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
-    if tl.max(m_new - m_i, 0) > LAZY_GROWTH:
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    p = tl.exp2(s * qk_scale - m_i[:, None])
-    l_i = l_i + tl.sum(p, 1)
-    acc = acc + dot(to_out(p, vt.dtype, RNE), vt, F32)
-    return m_i, l_i, acc
-
-
 @triton.jit
 def _dense_kernel(
     Q, K, V, Out, Lse, KvStart,
@@ -367,13 +341,13 @@ def _sparse_kernel(
     L, q_offset, n_idx, qk_scale,
     G: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NRB: tl.constexpr,
     BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, HAS_CNT: tl.constexpr,
-    PREFETCH: tl.constexpr, LAZY: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T.
     PREFETCH: each block's indices are loaded an iteration ahead, into registers; the gathered K / V rows then no
     longer depend on a load of the same iteration, and Triton's pipeliner keeps them ``num_stages - 1`` blocks in
     flight (without it: one, issued at the end of the iteration before) at the price of that much more shared
-    memory per program. LAZY: the loop's rescales only where a row's maximum grew enough (:func:`_lazy_step`)."""
+    memory per program."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles (larger budgets) first
     r = pid // NRB
     rb = pid % NRB
@@ -447,10 +421,7 @@ def _sparse_kernel(
                 slot = tl.load(idx_row + j).to(tl.int64)
             kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :])
             vt = tl.load(v_base + slot[:, None] * stride_vn + offs_d[None, :])
-            if LAZY:
-                m_i, l_i, acc = _lazy_step(q, kt, vt, m_i, l_i, acc, qk_scale, F32, RNE)
-            else:
-                m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, True, F32, RNE, False, True)
+            m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, True, F32, RNE, False, True)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_ol
@@ -604,10 +575,6 @@ TOPK_BOUND = True
 # instructions leave room too. Not yet timed: off until a sweep says otherwise (docs/benchmarks/prefill.md).
 SCORE_FMA_EXP = 0
 LSE_FMA_EXP = 0
-
-# The sparse kernel's loop rescales lazily (_lazy_step): compiled (Llama shapes, the default launch) its loop issues
-# fewer instructions per warp and block; not yet timed, off until a sweep says otherwise.
-SPARSE_LAZY = False
 
 # Tiles a scoring program takes (1 or 2): with 2, each K block loaded serves both tiles' rows (256 rows at Llama's
 # shapes: half the K traffic from L2 per MMA; the dense pass, which reads K and V for 128 rows, moved 4.2 TB/s from
@@ -802,15 +769,14 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
 
 def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
                    counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None, prefetch=None,
-                   maxnreg=None, lazy=None):
+                   maxnreg=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
     are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
     each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per thread that ptxas may use (more
-    programs per SM, at the risk of spills; benchmarks/prefill.py's sweep). ``lazy`` (default :data:`SPARSE_LAZY`):
-    rescale the running output only when a row's maximum grew enough (:func:`_lazy_step`). ``-> [B, HQ, L, D]``."""
+    programs per SM, at the risk of spills; benchmarks/prefill.py's sweep). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
@@ -837,8 +803,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
         idx.stride(0), idx.stride(1), idx.stride(2), counts.stride(0) if counts is not None else 0,
         L, q_offset, KI, scale * LOG2E,
         G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
-        HAS_CNT=counts is not None, PREFETCH=ahead, LAZY=SPARSE_LAZY if lazy is None else lazy, num_warps=nw,
-        num_stages=ns,
+        HAS_CNT=counts is not None, PREFETCH=ahead, num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     for b, s in enumerate(host_start.tolist()):  # queries at padding slots belong to no tile
