@@ -4,7 +4,8 @@
 
 1. Checks every Triton prefill kernel against the reference ops on small random cases (varied lengths, chunked
    prefill offset, G = 4 and 3, D = 128 and 64, bf16).
-2. Optionally sweeps a few launch configurations of the dense, scoring and sparse kernels at N = 32K (printed).
+2. Unless --no-sweep, sweeps launch configurations and options of the dense, QK-only, scoring, top-k and sparse
+   kernels at N = 32K (printed, and under "sweep_32k" in prefill.json).
 3. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, B in --batches
    (default 1; every sequence N tokens),
    Budget(ratio=0.1, k_min=128, tile=32), N in --ns: per-layer times of dense cuDNN SDPA (the baseline), SDPA
@@ -286,11 +287,13 @@ def measure(name, HQ, H, D, N, flex, B=1):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
-    ap.add_argument("--ns", default="8192,32768,65536,131072")
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--no-flex", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"),
+                    help="folder for prefill.json and prefill_table.md (default: docs/benchmarks/)")
+    ap.add_argument("--ns", default="8192,32768,65536,131072", help="comma list of sequence lengths N")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="skip the launch-configuration and option sweep at N = 32K (~3 minutes on an H200)")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes minutes)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
