@@ -194,6 +194,14 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
     tl.store(wr + 0, prefix)
     tl.store(wr + 1, known)
     tl.store(wr + 2, r)
+    if LEVEL < 5:
+        if known >= 31:  # the threshold is exact already (the common path's last refining pass): the next search
+            # would only copy it, and the next pass skips its ticket (_radix_kernel), so write its set now (the
+            # pass before LEVEL, whose programs read that set, has finished reading it: this is its last program)
+            nx = State + row * 8 + 4 * ((LEVEL + 1) % 2)
+            tl.store(nx + 0, prefix)
+            tl.store(nx + 1, known)
+            tl.store(nx + 2, r)
     return prefix, known
 
 
@@ -219,8 +227,8 @@ def _last_finds(Meta, Hist, State, mass, row, n_programs, H: tl.constexpr, NHIST
 @triton.jit
 def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
                   H: tl.constexpr, CH: tl.constexpr, NHIST: tl.constexpr, LEVEL: tl.constexpr):
-    """LEVEL 2-4: histogram of the next (up to 12) bits among the keys that share the prefix found so far (none
-    once all 31 are known), then the row's last program finds the bin for LEVEL + 1. LEVEL 5: count, per chunk,
+    """LEVEL 2-4: histogram of the next (up to 12) bits among the keys that share the prefix found so far, then the
+    row's last program finds the bin for LEVEL + 1 (nothing once all 31 bits are known). LEVEL 5: count, per chunk,
     the keys above the exact threshold and equal to it."""
     c = tl.program_id(0)
     row = tl.program_id(1)
@@ -238,7 +246,9 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
             digit = (key >> (31 - known - bits)) & ((1 << bits) - 1)
             tl.atomic_add(Hist + row * NHIST + _NB + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
                           mask=match, sem="relaxed")
-        _last_finds(Meta, Hist, State, mass, row, C, H, NHIST, LEVEL + 1)
+            _last_finds(Meta, Hist, State, mass, row, C, H, NHIST, LEVEL + 1)
+        # else: all 31 bits known (the common path's third refining pass): no counts, no ticket; the search before
+        # this pass wrote the next one's state (_find_level)
     else:
         key = tl.load(Pooled + row.to(tl.int64) * sc_row + pos, mask=pm, other=-1.0).to(tl.int32, bitcast=True)
         gt = tl.sum((pm & (key > prefix)).to(tl.int32), 0)
