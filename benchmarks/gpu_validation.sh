@@ -24,6 +24,8 @@
 #   bench-prefill       benchmarks/prefill.py at PREFILL_NS (default 32768,131072) and PREFILL_BATCHES (default 1), no
 #                       sweep, no FlexAttention:
 #                       the per-layer table, torch.topk and the radix top-k side by side
+#   sweep-prefill       benchmarks/prefill.py --ns 32768 --no-flex: the launch / option sweep (prefill.json's
+#                       "sweep_32k", printed), then the 32K rows (~4 minutes on an H200)
 #   bench-decode        benchmarks/decode.py --no-tune (DECODE_ARGS, e.g. --only llama-3.1-8b:1:131072,...)
 #   bench-jax           benchmarks/jax_bench.py: op-at-a-time and planned (kascade.jax.Attention) JAX paths
 # Each step prints one line into OUT/summary.txt (and the call's output); the logs of every step so far are packed
@@ -83,6 +85,7 @@ run_step() {
     bench-new) bench new "$new" ;;
     bench-prefill) PYTHONPATH="$new" python3 "$here/prefill.py" --out "$state/$1" --ns "${PREFILL_NS:-32768,131072}" \
                      --batches "${PREFILL_BATCHES:-1}" --no-sweep --no-flex ;;
+    sweep-prefill) PYTHONPATH="$new" python3 "$here/prefill.py" --out "$state/$1" --ns 32768 --no-flex ;;
     bench-decode) PYTHONPATH="$new" python3 "$here/decode.py" --out "$state/$1" --no-tune ${DECODE_ARGS:-} ;;
     bench-jax) PYTHONPATH="$new" python3 "$here/jax_bench.py" --out "$state/$1" ;;
     *) echo "unknown step $1; steps: ${all[*]}"; return 2 ;;
