@@ -177,6 +177,9 @@ def sweep(results):
     lse = tp.prefill_lse(q, k, scale=sc)
     # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
     # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
+    for ch in (2048, 8192):  # the radix top-k's keys per program (its share of the anchor is larger here)
+        timed(f"smollm2 select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
+                                                                                     lse=lse, topk_chunk=ch))
     # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions);
     # fma8: 60 MUFU (480 cycles) against 463 instructions
     for fma in (0, 8):
