@@ -175,8 +175,6 @@ def sweep(results):
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     lse = tp.prefill_lse(q, k, scale=sc)
-    # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
-    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
     for ch in (2048, 8192):  # the radix top-k's keys per program (its share of the anchor is larger here)
         timed(f"smollm2 select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
                                                                                      lse=lse, topk_chunk=ch))
@@ -184,6 +182,8 @@ def sweep(results):
     # fma8: 60 MUFU (480 cycles) against 463 instructions
     for fma in (0, 8):
         timed(f"smollm2 lse-only{f' fma{fma}' if fma else ''}", lambda: tp.prefill_lse(q, k, scale=sc, fma_exp=fma))
+    # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
+    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
     for rows, fma, tl2 in ((None, 0, 1), (128, 0, 1), (32, 0, 1), (None, 8, 1), (None, 4, 1), (None, 0, 2),
                            (None, 8, 2)):
         timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}{' t2' if tl2 == 2 else ''}",
