@@ -132,6 +132,19 @@ def poisoned_allocations():
         torch.empty, torch.empty_like = empty, empty_like
 
 
+def scoring_hist(rows: int) -> torch.Tensor:
+    """Radix-select histograms ``[rows, NHIST]`` as a scoring pass leaves them (``topk.zero_hist``): the bins every
+    selection counts into and the tickets zeroed, every other counter 777 (a fallback row zeroes what it needs
+    itself; a count that large, not :data:`JUNK`, so that a selection misled by it fails its check instead of
+    writing out of its row's bounds under the interpreter)."""
+    from kascade.ops.triton import topk
+
+    hist = torch.full((rows, topk.NHIST), 777, dtype=torch.int32)
+    hist[:, : topk.HOT] = 0
+    hist[:, topk.TICKETS:] = 0
+    return hist
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The reference's pooled probabilities and log-sum-exp
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 from kascade.budget import Budget  # noqa: E402
 from kernel_checks import (DEVICE, check_close, check_decode_selection, dev, host_selection, masters,  # noqa: E402
-                           nan_like, paged_cache, poison, pooled_decode_rows, sized)
+                           nan_like, paged_cache, poison, pooled_decode_rows, scoring_hist, sized)
 from kascade.ops import dense_attention, select, sparse_attention  # noqa: E402
 from kascade.ops.step import decode_meta  # noqa: E402
 from kascade.ops.triton import decode as td  # noqa: E402
@@ -148,11 +148,7 @@ def test_radix_selection_breaks_exact_ties_by_position(scores):
     for b in range(B):  # sequence 1 has only n[1] valid keys: its statistics cover those
         mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
-    # zeroed as the scoring pass leaves it (topk.zero_hist): the bins beyond topk.HOT and the tickets hold garbage,
-    # which a fallback row zeroes itself before counting into them
-    hist = torch.full((B * H, topk.NHIST), 777, dtype=torch.int32)
-    hist[:, : topk.HOT] = 0
-    hist[:, topk.TICKETS:] = 0
+    hist = scoring_hist(B * H)  # garbage beyond the bins the scoring pass zeroes: a fallback row zeroes its own
     indices = topk.select_rows(dev(sc.contiguous()), dev(mx.contiguous()), dev(ls.contiguous()), dev(hist), 1, meta,
                                B, H, G, method="radix", chunk=64).cpu()
     for b in range(B):

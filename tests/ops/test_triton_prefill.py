@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 
 from kascade.budget import Budget  # noqa: E402
 from kernel_checks import (check_close, check_lse, check_prefill_selection, dev, dev_selection,  # noqa: E402
-                           host_selection, masters, nan_like, poison, pooled_prefill_rows, sized)
+                           host_selection, masters, nan_like, poison, pooled_prefill_rows, scoring_hist, sized)
 from kascade.ops import reference  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
@@ -325,11 +325,9 @@ def test_rows_into_needs_only_the_hot_bins_zeroed(mass):
     R, W = 6, sized(500) + 5
     vals = torch.rand(R, W, generator=g) ** 4
     counts = torch.randint(1, W // 3, (R,), generator=g)
-    meta = torch.stack([torch.zeros(R, dtype=torch.long), torch.full((R,), W), counts, torch.zeros(R, dtype=torch.long)],
-                       -1)
-    hist = torch.full((R, topk.NHIST), 12345, dtype=torch.int32)
-    hist[:, : topk.HOT] = 0
-    hist[:, topk.TICKETS:] = 0
+    zeros = torch.zeros(R, dtype=torch.long)
+    meta = torch.stack([zeros, torch.full((R,), W), counts, zeros], -1)
+    hist = scoring_hist(R)
     kc = int(counts.max())
     out = dev(torch.full((R, 1, kc), -7, dtype=torch.long))
     bound = float(vals.sum(-1).max()) if mass == "row-sum" else None
@@ -387,7 +385,7 @@ def test_exp2_on_the_fma_pipes_is_as_accurate_as_the_sfu():
     """The scoring pass's polynomial 2**x (``fma_exp``) for its x <= 0: relative error within 2.5e-7 over the
     normal range (MUFU.EX2's is about 2e-7), 0 where the result would be subnormal and at -inf."""
     x = torch.cat([torch.linspace(-126.0, 0.0, sized(20001)), torch.rand(sized(4000)) * -126.0,
-                   torch.tensor([0.0, -0.0, -1e-30, -0.5, 0.5 - 1.0, -125.5, -126.0, -126.001, -200.0,
+                   torch.tensor([0.0, -0.0, -1e-30, -0.5, -0.75, -125.5, -126.0, -126.001, -200.0,
                                  float("-inf")])])
     y = torch.empty_like(x)
     xd, yd = dev(x), dev(y)

@@ -44,7 +44,7 @@ from .common import LOG2E, dot, flags, num_sms, to_out
 def _exp2_fma(x):
     """``2**x`` on the FMA pipes, for the scoring pass's ``x <= 0`` (``-inf`` included): ``x = j + f`` with ``j``
     an integer (rounded by adding 1.5 * 2**23, whose low mantissa bits then hold it) and ``f`` in [-0.5, 0.5], a
-    degree-5 polynomial for ``2**f`` (relative error 2.3e-7, as ``MUFU.EX2``'s own) and ``j`` added into its exponent
+    degree-5 polynomial for ``2**f`` (relative error 2.2e-7, as ``MUFU.EX2``'s own) and ``j`` added into its exponent
     bits; 0 below 2**-126, where the result would be subnormal (``MUFU.EX2`` flushes those too). 13 instructions,
     each one issue cycle of a warp, where the SFU takes 8 cycles per warp for one ``MUFU.EX2``."""
     xc = tl.maximum(x, -127.0)
@@ -577,8 +577,9 @@ SCORE_FMA_EXP = 0
 LSE_FMA_EXP = 0
 
 # Tiles a scoring program takes (1 or 2): with 2, each K block loaded serves both tiles' rows (256 rows at Llama's
-# shapes: half the K traffic from L2 per MMA; the dense pass, which reads K and V for 128 rows, moved 4.2 TB/s from
-# L2 at 32K in run 10, the scoring pass 3.0). Not yet timed: 1 until a sweep says otherwise.
+# shapes: half the K traffic from L2 per MMA; by our count of the bytes each program loads, run 10's dense pass,
+# which reads K and V for 128 rows, moved 4.2 TB/s from L2 at 32K, the scoring pass 3.0). Not yet timed: 1 until a
+# sweep says otherwise.
 SCORE_TILES = 1
 
 

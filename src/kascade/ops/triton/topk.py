@@ -71,12 +71,18 @@ def _find_bin(Hrow, kneed, NB: tl.constexpr):
 
 
 @triton.jit
+def _zero(hrow, lo: tl.constexpr, hi: tl.constexpr):
+    """Zeroes counters ``[lo, hi)`` of one row's histograms."""
+    offs = tl.arange(0, 1024)
+    for z in range(lo, hi, 1024):
+        tl.store(hrow + z + offs, tl.zeros([1024], tl.int32), mask=z + offs < hi)
+
+
+@triton.jit
 def zero_hist(hrow):
     """Zeroes the bins of one row's histograms that every selection counts into (:data:`HOT`) and its tickets."""
-    offs = tl.arange(0, 1024)
-    for z in range(0, _HOT, 1024):
-        tl.store(hrow + z + offs, tl.zeros([1024], tl.int32), mask=z + offs < _HOT)
-    tl.store(hrow + _TK + tl.arange(0, 8), tl.zeros([8], tl.int32))
+    _zero(hrow, 0, _HOT)
+    _zero(hrow, _TK, _TK + 8)
 
 
 @triton.jit
@@ -174,10 +180,9 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
         prefix = tl.where(inside, (e_hi << _FB) - (_NB - 1) + sel, 0)
         known = tl.where(inside, 8 + _FB, 0)  # else the fallback: the whole pattern from the top, every key
         r = tl.where(inside, r, kk)
-        if (sel <= 0) | (sel >= _NB - 1):  # the fallback counts into bins that zero_hist left: zero them
-            offs = tl.arange(0, 1024)
-            for z in range(_HOT, _NB + 2 * 4096 + _LAST, 1024):  # (the third's first _LAST: its bin search's)
-                tl.store(hrow + z + offs, tl.zeros([1024], tl.int32), mask=z + offs < _NB + 2 * 4096 + _LAST)
+        if (sel <= 0) | (sel >= _NB - 1):  # the fallback counts into bins that zero_hist left: zero them (the
+            # third refining histogram's first _LAST: its bin search reads no more)
+            _zero(hrow, _HOT, _NB + 2 * 4096 + _LAST)
     else:
         prefix = tl.load(rd + 0)
         known = tl.load(rd + 1)
