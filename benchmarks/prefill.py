@@ -99,11 +99,11 @@ def check():
 # ----------------------------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------------------------
-def inputs(HQ, H, D, N, seed=0, B=1):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, HQ, N, D, device="cuda", generator=g).to(DT)
-    k = torch.randn(B, H, N, D, device="cuda", generator=g).to(DT)
-    v = torch.randn(B, H, N, D, device="cuda", generator=g).to(DT)
+def inputs(HQ, H, D, N, seed=0, B=1, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, HQ, N, D, device=device, generator=g).to(DT)
+    k = torch.randn(B, H, N, D, device=device, generator=g).to(DT)
+    v = torch.randn(B, H, N, D, device=device, generator=g).to(DT)
     return q, k, v
 
 
@@ -114,9 +114,10 @@ def first_keys(sel: Selection) -> Selection:
     return Selection(indices=torch.where(idx >= 0, ar, -1), row_start=sel.row_start, tile=sel.tile, decode=False)
 
 
-def sweep(results):
+def sweep(results, N=32768, device="cuda"):
     """Launch configurations at N = 32K, each timed (ms) into results["sweep_32k"] and printed; one that does not
-    compile is reported, not fatal."""
+    compile is reported, not fatal. (``N``, ``device``: the tests' dry run, every entry once at a small N in the
+    Triton interpreter, so that no entry fails on the GPU for a mistake the CPU could have caught.)"""
     out = {}
 
     def timed(name, fn):
@@ -129,8 +130,7 @@ def sweep(results):
         log(f"sweep {name}: {t:.2f} ms")
 
     HQ, H, D = MODELS["llama-3.1-8b"]
-    N = 32768
-    q, k, v = inputs(HQ, H, D, N)
+    q, k, v = inputs(HQ, H, D, N, device=device)
     sc = D**-0.5
     # bm256: 64 queries x 4 heads a program, each K block feeding twice the rows (the QK-only pass: 419 instructions
     # per warp and block against 2 x 235 at bm128, compiled; the dense pass spills there, so only the QK-only one)
@@ -155,6 +155,11 @@ def sweep(results):
     for ch in (2048, 4096, 8192):
         timed(f"select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
                                                                              topk_chunk=ch))
+    # smaller chunks of tiles (default: the 64 MB scratch bound, a ~60 MB score buffer at 32K): a buffer that stays in
+    # the 50 MB L2 between the top-k's five reads of it, at the price of more, smaller launches
+    for mb in (16, 32):
+        timed(f"select (given lse) {mb} MB chunks", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
+                                                                            max_chunk_bytes=mb << 20))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     first = first_keys(sel)
     # bm: rows per program (None: the tile's G * T; 64: two programs per tile gathering the same keys). pf: the
@@ -171,13 +176,16 @@ def sweep(results):
             timed(f"sparse first keys bn{bn} w{nw} s{ns} m{bm or 'tile'}",
                   lambda: tp.sparse_prefill(q, k, v, first, scale=sc, **cfg))
     HQ, H, D = MODELS["smollm2-135m"]
-    q, k, v = inputs(HQ, H, D, N)
+    q, k, v = inputs(HQ, H, D, N, device=device)
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     lse = tp.prefill_lse(q, k, scale=sc)
     for ch in (2048, 8192):  # the radix top-k's keys per program (its share of the anchor is larger here)
         timed(f"smollm2 select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
                                                                                      lse=lse, topk_chunk=ch))
+    for mb in (16, 32):
+        timed(f"smollm2 select (given lse) {mb} MB chunks", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
+                                                                                    lse=lse, max_chunk_bytes=mb << 20))
     # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions);
     # fma8: 60 MUFU (480 cycles) against 463 instructions
     for fma in (0, 8):

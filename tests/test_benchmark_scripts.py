@@ -32,3 +32,27 @@ def test_tables_written_do_not_replace_the_documentation_pages():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".md"):
                 assert node.value not in pages, f"{path.name} writes {node.value}, a documentation page"
+
+
+def test_prefill_sweep_entries_all_run(monkeypatch):
+    """Every entry of benchmarks/prefill.py's sweep runs (once, untimed, at N = 96 on the test device: the Triton
+    interpreter in CI): a device call's sweep loses no entry to a keyword, an assert or a launch the CPU could have
+    caught (a failed entry is logged and timed as NaN, not fatal, so only this test would say)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import math
+    import sys
+
+    from kernel_checks import DEVICE
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("prefill", None)
+    import prefill
+
+    ran = []
+    monkeypatch.setattr(prefill, "bench", lambda fn: ran.append(fn()) or 1.0)
+    monkeypatch.setattr(prefill, "log", lambda *a: None)
+    results = {}
+    prefill.sweep(results, N=96, device=str(DEVICE))
+    failed = [name for name, t in results["sweep_32k"].items() if math.isnan(t)]
+    assert not failed
+    assert len(ran) == len(results["sweep_32k"]) >= 60

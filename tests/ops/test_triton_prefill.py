@@ -245,6 +245,19 @@ def test_selection_makes_the_lse_a_group_of_sequences_at_a_time(monkeypatch):
     assert torch.equal(grouped.row_start.cpu(), whole.row_start.cpu())
 
 
+def test_selection_refuses_lse_pass_keywords_when_the_lse_is_given():
+    """select_prefill hands keywords it does not know to its LSE pass; with the LSE given there is no such pass, and
+    they were dropped without a word (a benchmark sweep once timed "options" that changed nothing)."""
+    B, H, G, N, D, T = 1, 1, 2, 40, 64, 16
+    g = torch.Generator().manual_seed(5)
+    q = dev(torch.randn(B, H * G, N, D, generator=g))
+    k = dev(torch.randn(B, H, N, D, generator=g))
+    lse = tp.prefill_lse(q, k, scale=D**-0.5)
+    with pytest.raises(AssertionError, match="block_m"):
+        tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), lse=lse, block_m=64)
+    tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), block_m=64)  # without it: the LSE pass's keyword
+
+
 def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     """counts=: row r of sequence b attends only the first counts[b, r] entries of its index row, whatever their
     order (a ranked selection's prefix): the same output as the rows cut to that prefix, sorted, -1 padded."""

@@ -608,7 +608,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     two; default :func:`_score_rows`' blocks, which pad the fewest rows), ``fma_exp`` (every ``fma_exp``-th group of
     8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :data:`SCORE_FMA_EXP`),
     ``tiles`` (tiles a program scores, 1 or 2; default :data:`SCORE_TILES`): the scoring pass's launch; other
-    keywords go to the LSE pass (:func:`prefill_lse`).
+    keywords go to the LSE pass (:func:`prefill_lse`; an
+    assertion when ``lse`` is given).
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
@@ -631,6 +632,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
     if lse is not None:
         assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert not lse_cfg, f"keywords of the LSE pass {sorted(lse_cfg)}, but the LSE is given"
     n_t = q_offset + L - host_start
     first_t, count_t = budget.tiles(n_t, L)
     R = int(count_t.max())
