@@ -104,3 +104,27 @@ def test_shown_compares_at_the_digits_printed(text, value, ok):
     else:
         with pytest.raises(AssertionError):
             _shown(text, value)
+
+
+def _heldout():
+    """Mean agreement / KL per strategy of docs/eval/heldout_8k (windows of equal length: the pooled values)."""
+    rows = [json.loads(line) for line in (ROOT / "docs/eval/heldout_8k/rows.jsonl").read_text().splitlines()]
+    out = {}
+    for name in {r["strategy"] for r in rows}:
+        mine = [r for r in rows if r["strategy"] == name]
+        assert len(mine) == 5 and {r["length"] for r in mine} == {8192}
+        out[name] = (sum(r["agreement"] for r in mine) / 5, sum(r["kl"] for r in mine) / 5)
+    return out
+
+
+def test_accuracy_headline_compares_on_the_same_windows():
+    """The headline's four strategies come from one run on the same five windows (docs/eval/heldout_8k)."""
+    head = README[README.index("On the embedded SmolLM2"):README.index("The project's targets")]
+    got = _heldout()
+    agree, kl, f_agree, f_kl, s_agree, q_agree = _find(
+        r"\(([\d.]+), KL ([\d.]+); on the same windows at the same\s+measured budget the paper's plan ([\d.]+) / ([\d.]+), "
+        r"StreamingLLM ([\d.]+), Quest ([\d.]+);", head)
+    _shown(agree, got["kascade"][0]), _shown(kl, got["kascade"][1])
+    _shown(f_agree, got["kascade-faithful"][0]), _shown(f_kl, got["kascade-faithful"][1])
+    _shown(s_agree, got["streamingllm"][0]), _shown(q_agree, got["quest"][0])
+    assert "heldout_8k" in head
