@@ -112,6 +112,58 @@ def test_refused_right_padding_leaves_the_cache_untouched():
     assert torch.equal(out, ref)
 
 
+def test_static_cache_decode_step_refuses_a_mask_that_is_not_left_padding():
+    """A static cache's decode step checks its mask like every other pass: a hole in it (a masked-out token
+    mid-sequence) is refused, not ignored (it once was: the check was left to the prefill, and the step attended
+    the masked tokens, a silent difference from dense attention). A left-padded mask then decodes as dense does."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama")
+    full = KascadePlan.uniform(ModelFingerprint.from_model(model), 4, ratio=1.0, k_min=1, tile=1)  # = dense
+    ids, nxt = _ids(40), _ids(1, seed=5)
+    hole = torch.ones(1, 41, dtype=torch.long)
+    hole[0, 10:20] = 0
+    left = torch.ones(1, 41, dtype=torch.long)
+    left[0, :3] = 0
+
+    def step(mask):  # the prompt prefilled unpadded (or left-padded), then one decode step under ``mask``
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        model(ids, attention_mask=mask[:, :40].cummax(1).values, past_key_values=cache, cache_position=torch.arange(40))
+        return model(nxt, attention_mask=mask, past_key_values=cache, cache_position=torch.tensor([40])).logits
+
+    with torch.no_grad():
+        want = step(left)
+        with kascade.enable(model, full):
+            with pytest.raises(ValueError, match="left padding"):
+                step(hole)
+            got = step(left)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_length_aware_plan_follows_the_batchs_longest_sequence():
+    """The documented rule (docs/ARCHITECTURE.md, Semantics): a forward runs one sub-plan, chosen by its longest
+    sequence, so a short sequence batched with a long one runs the long one's sub-plan; alone, its own."""
+    model = tiny_model("llama")
+    fp = ModelFingerprint.from_model(model)
+    long_plan = _plan(model)
+    short_plan = KascadePlan(fp, (0, 1), ((0, 1),) * 4, ratio=0.1, k_min=8, tile=16)
+    plan = long_plan.__class__(**{**long_plan.__dict__, "by_length": ((100, short_plan),)})
+    short, other = _ids(60, seed=1), _ids(150, seed=2)
+    batch = torch.cat([torch.cat([torch.zeros(1, 90, dtype=torch.long), short], 1), other])
+    mask = torch.ones_like(batch)
+    mask[0, :90] = 0
+    with torch.no_grad():
+        with kascade.enable(model, plan):
+            alone = model(short).logits[0]
+            batched = model(batch, attention_mask=mask).logits[0, 90:]
+        with kascade.enable(model, short_plan):
+            want_alone = model(short).logits[0]
+        with kascade.enable(model, long_plan):
+            want_batched = model(batch, attention_mask=mask).logits[0, 90:]
+    torch.testing.assert_close(alone, want_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched, want_batched, rtol=1e-5, atol=1e-5)
+
+
 def test_nested_enable_is_refused_and_disable_always_restores():
     model = tiny_model("llama")
     plan = _plan(model)

@@ -44,22 +44,38 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             "Kascade supports plain causal attention only; this model asked for another mask pattern "
             f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"))
     if isinstance(q_offset, torch.Tensor) and q_length == 1:
-        # Static cache, decode step: stay on the device. The cache advances this very tensor in place during the
-        # forward, hence the copy; the padding check happened when the prompt was prefilled.
-        kv_start = None
-        if attention_mask is not None:
-            valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-            kv_start = valid.to(torch.int32).argmax(1)
-        return KeyMask(kv_start=kv_start, q_offset=q_offset.reshape(()).clone() - int(kv_offset))
+        # Static cache, decode step: kv_start stays on the device. The cache advances this very tensor in place
+        # during the forward, hence the copy. The mask is checked as in every other pass (a hole in it would be
+        # ignored, not refused), except while a CUDA graph is being captured: a check must read the mask back, and
+        # the graph's masks are the decoder's own (GraphDecoder), left padding by construction.
+        q_dev = q_offset.reshape(()).clone() - int(kv_offset)
+        if attention_mask is None:
+            return KeyMask(kv_start=None, q_offset=q_dev)
+        _check_2d(attention_mask)
+        valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+        if not (valid.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _left_padding_start(valid, int(q_dev) + 1)
+        return KeyMask(kv_start=valid.to(torch.int32).argmax(1), q_offset=q_dev)
     q_slot = int(q_offset) - int(kv_offset)
     if attention_mask is None:
         return KeyMask(kv_start=torch.zeros(batch_size, dtype=torch.long), q_offset=q_slot)
+    _check_2d(attention_mask)
+    kv_start = _left_padding_start(attention_mask[:, kv_offset:], q_slot + q_length)
+    return KeyMask(kv_start=kv_start, q_offset=q_slot)
+
+
+def _check_2d(attention_mask: torch.Tensor) -> None:
     if attention_mask.dim() != 2:
         raise ValueError(f"Kascade takes a 2-D padding mask (attention_mask=[B, N] of 0/1), got shape "
                          f"{tuple(attention_mask.shape)}")
-    v = attention_mask[:, kv_offset : kv_offset + q_slot + q_length].to(torch.bool).cpu()
-    if v.shape[1] < q_slot + q_length:  # a mask shorter than the keys: the rest is valid
-        v = torch.cat([v, v.new_ones(v.shape[0], q_slot + q_length - v.shape[1])], 1)
+
+
+def _left_padding_start(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Each sequence's first valid slot among the first ``n`` of ``mask [B, >= 0]`` (slots past its end are valid);
+    ValueError unless every row is padding then tokens (left padding) with at least one token."""
+    v = mask[:, :n].to(torch.bool).cpu()
+    if v.shape[1] < n:  # a mask shorter than the keys: the rest is valid
+        v = torch.cat([v, v.new_ones(v.shape[0], n - v.shape[1])], 1)
     if not bool(v.any(1).all()):
         raise ValueError("a sequence in the batch has no valid tokens (its attention mask is all zeros)")
     kv_start = v.int().argmax(1).long()
@@ -68,7 +84,7 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             "Kascade needs left padding (padding only before each sequence's tokens); set "
             "tokenizer.padding_side = 'left'"
         )
-    return KeyMask(kv_start=kv_start, q_offset=q_slot)
+    return kv_start
 
 
 def kascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
