@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import tiny_model
 from kascade import bench
 from kascade.bench import memory, models, runner, timing
 from kascade.bench.settings import Settings
@@ -384,3 +385,23 @@ def test_decode_mode_settings_are_checked():
         bench.Settings(device="cuda", decode="graph", prefill_chunk=8192)
     with pytest.raises(ValueError, match="'graph' or 'eager'"):
         bench.Settings(device="cpu", decode="lazy")
+
+
+def test_triton_backend_off_cuda_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = main(["bench", *FAST, "--backend", "triton", "--models", "tiny", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "backend 'triton' runs the Triton kernels on a CUDA device" in capsys.readouterr().err
+
+
+def test_a_plan_for_another_default_model_is_refused_from_its_config(tmp_path, monkeypatch, capsys):
+    """--models default --plan P: the plan is checked against the model's config, read without its weights (the
+    default model's were loaded first, ~20 s, before the refusal)."""
+    folder = tmp_path / "m"
+    tiny_model("llama").config.save_pretrained(folder)  # a config, no weights: loading them would fail
+    other = KascadePlan.uniform(ModelFingerprint("llama", 30, 9, 3, 64), 6)
+    other.save(tmp_path / "plan.json")
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = main(["bench", *FAST, "--models", "default", "--model", str(folder), "--plan", str(tmp_path / "plan.json"),
+               "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "another model than 'default'" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -42,9 +42,27 @@ def test_greedy_answers_as_a_hand_written_greedy_loop():
 
 @pytest.mark.model
 def test_demo_end_to_end(default_model, monkeypatch, capsys):
-    monkeypatch.setattr(demo, "load_model", lambda *a, **k: default_model)
+    def load(*a, check=None, **k):  # as load_model: the check before the weights
+        check(default_model[0].config, default_model[1])
+        return default_model
+
+    monkeypatch.setattr(demo, "load_model", load)
     assert main(["demo", "--tokens", "600", "--max-new-tokens", "4", "--compare-last", "64"]) == 0
     out = capsys.readouterr().out
     assert "teacher-forced on the prompt's last 64 positions: top-1 agreement" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("dense ", "kascade "))}
     assert set(lines) == {"dense", "kascade"}
+
+
+def test_a_plan_for_another_model_is_refused_before_the_weights(tmp_path, monkeypatch, capsys):
+    """The plan is checked against the model's config before the weights are read (it was after: ~20 s)."""
+    from cli_support import one_line_error, tiny_loader
+
+    from kascade import KascadePlan, ModelFingerprint
+
+    loader = tiny_loader(tiny_model("llama"))
+    monkeypatch.setattr(demo, "load_model", loader.load)
+    KascadePlan.uniform(ModelFingerprint("llama", 30, 9, 3, 64), 6).save(tmp_path / "plan.json")
+    err = one_line_error("demo", ["--plan", str(tmp_path / "plan.json")], capsys)
+    assert "--plan was made for another model" in err and "num_layers: plan has 30" in err
+    assert loader.loads == []

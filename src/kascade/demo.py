@@ -12,7 +12,7 @@ from . import text
 from .fidelity import DenseReference
 from .integration.hf import enable
 from .models import load_model
-from .plan import default_plan
+from .plan import ModelFingerprint, default_plan
 
 NEEDLE = "The secret passphrase of the archive is {value}."
 QUESTION = "What is the secret passphrase of the archive? Answer with the passphrase only."
@@ -84,9 +84,17 @@ def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, d
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     t0 = time.perf_counter()
     print(f"loading {'the default model (SmolLM2-135M-Instruct)' if model_path is None else model_path} ...", flush=True)
-    model, tok = load_model(model_path, device=device, dtype=dtype)
+    prompt = []
+
+    def check(config, tok):  # before the weights: the plan's model and the prompt's length
+        diffs = plan.fingerprint.differences(ModelFingerprint.from_config(config)) if plan is not None else []
+        if diffs:
+            raise ValueError("--plan was made for another model: " + "; ".join(diffs))
+        prompt.append(build_prompt(tok, tokens, seed=seed))
+
+    model, tok = load_model(model_path, device=device, dtype=dtype, check=check)
     load_s = time.perf_counter() - t0
-    ids = build_prompt(tok, tokens, seed=seed)
+    ids = prompt[0]
     plan = plan or default_plan(model)
     results = {}
     with tqdm(total=2 * max_new_tokens, desc="dense + kascade", unit="step") as bar:

@@ -45,32 +45,13 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path() if path is None else Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"no model at {path} (give a .gguf file or a folder with config.json)")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; give a .gguf file or a model folder")
-        kw = dict(gguf_file=path.name)
-        where = str(path.parent)
-    else:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path} has no config.json; give a .gguf file or a transformers model folder")
-        kw, where = {}, str(path)
+    path, where, kw, read = _source(path)
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"unknown device {device!r}; use cpu or cuda (cuda:N for one GPU)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
-
-    def read(what, load):
-        # transformers reports unreadable inputs as OSError or ValueError, often over several lines
-        try:
-            return load()
-        except (OSError, ValueError) as e:
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise ValueError(f"cannot read the {what} of {path}: {reason}") from e
 
     tok = read("tokenizer", lambda: AutoTokenizer.from_pretrained(where, local_files_only=True, **kw))
     if tok.pad_token is None:
@@ -84,6 +65,42 @@ def load_model(path: str | Path | None = None, *, device: str | torch.device = "
                                                                          **kw))
     model.to(dev).eval()
     return model, tok
+
+
+def model_config(path: str | Path | None = None):
+    """The transformers config of the model :func:`load_model` would load from ``path`` (same errors), read
+    without its weights: what a command checks its arguments against before loading them."""
+    from transformers import AutoConfig
+
+    path, where, kw, read = _source(path)
+    return read("config", lambda: AutoConfig.from_pretrained(where, local_files_only=True, **kw))
+
+
+def _source(path):
+    """``(path, folder, from_pretrained keywords, read)`` of a GGUF file, a model folder or (None) the default
+    model; ``read(what, load)`` turns transformers' errors about the files into ValueErrors naming the path."""
+    path = default_model_path() if path is None else Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path} (give a .gguf file or a folder with config.json)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; give a .gguf file or a model folder")
+        kw = dict(gguf_file=path.name)
+        where = str(path.parent)
+    else:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json; give a .gguf file or a transformers model folder")
+        kw, where = {}, str(path)
+
+    def read(what, load):
+        # transformers reports unreadable inputs as OSError or ValueError, often over several lines
+        try:
+            return load()
+        except (OSError, ValueError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ValueError(f"cannot read the {what} of {path}: {reason}") from e
+
+    return path, where, kw, read
 
 
 def cache_kwargs(model, cache) -> dict:

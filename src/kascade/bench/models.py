@@ -59,15 +59,21 @@ def plan_for(name: str, model, plan: KascadePlan | None) -> KascadePlan:
     return default_plan(model)
 
 
-def check_plan(names, plan: KascadePlan | None) -> None:
-    """Fail before any work if ``plan`` cannot serve a random model (``default`` is checked once it is loaded)."""
+def check_plan(names, plan: KascadePlan | None, model_path=None) -> None:
+    """Fail before any work if ``plan`` cannot serve a model of ``names`` (``default``: its config, read without the
+    weights, from ``model_path`` or the embedded default model)."""
     if plan is None:
         return
     for name in names:
-        if name in ("llama8b", "tiny"):
-            diffs = plan.fingerprint.differences(_fingerprint(LLAMA8B if name == "llama8b" else TINY))
-            if diffs:
-                raise ValueError(f"--plan was made for another model than {name!r}: " + "; ".join(diffs))
+        if name == "default":
+            from ..models import model_config
+
+            fp = ModelFingerprint.from_config(model_config(model_path))
+        else:
+            fp = _fingerprint(LLAMA8B if name == "llama8b" else TINY)
+        diffs = plan.fingerprint.differences(fp)
+        if diffs:
+            raise ValueError(f"--plan was made for another model than {name!r}: " + "; ".join(diffs))
 
 
 def load(name: str, settings: Settings, model_path=None):

@@ -44,7 +44,7 @@ def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan |
     for m in models:
         if m not in MODELS:
             raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    check_plan(models, plan)
+    check_plan(models, plan, model_path)
     out = check_out(out)
     clock = _Clock()
     results = dict(environment=environment(settings.device), settings=asdict(settings),

@@ -37,6 +37,9 @@ class Settings:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.backend == "triton" and torch.device(self.device).type != "cuda":
+            raise ValueError(f"backend 'triton' runs the Triton kernels on a CUDA device, not on {self.device!r}; "
+                             "use backend 'auto' or 'reference'")
         if self.decode is None:
             cuda = torch.device(self.device).type == "cuda"
             object.__setattr__(self, "decode", "graph" if cuda and not self.prefill_chunk else "eager")

@@ -31,7 +31,8 @@ def add_demo(sub) -> None:
         "Writes no files.",
     )
     d.add_argument("--tokens", type=positive(), default=4096,
-                   help="prompt length in tokens, haystack, needle and question included (default: 4096)")
+                   help="prompt length in tokens, haystack, needle and question included, within a few tokens (the haystack's "
+                   "halves are re-tokenised around the needle) (default: 4096)")
     d.add_argument("--max-new-tokens", type=positive(), default=24,
                    help="tokens of each greedy answer (default: 24)")
     d.add_argument("--compare-last", type=positive(), default=512,
@@ -225,9 +226,12 @@ def add_eval(sub) -> None:
                    help="a Kascade plan JSON for the kascade strategies, as kascade calibrate writes (default: the "
                    "shipped plan for the model, else a uniform one)")
     e.add_argument("--ratio", type=number(0.0, 1.0), default=None,
-                   help="the fraction of keys every strategy attends, in (0, 1] (default: each plan's own)")
+                   help="the budget's fraction of keys, for every strategy, in (0, 1] (default: each plan's own); "
+                   "a plan with per-layer budgets (the default model's shipped plan) scales it per layer, so its "
+                   "layers keep more or fewer: the 'attended' column measures what each strategy read")
     e.add_argument("--k-min", type=positive(), default=None,
-                   help="the least number of keys every strategy attends (default: each plan's own)")
+                   help="the budget's least number of keys, for every strategy (default: each plan's own); a plan "
+                   "with per-layer budgets scales the budget per layer, this floor included")
     e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")
