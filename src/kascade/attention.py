@@ -21,6 +21,8 @@ tensor): with the Triton backend the step then reads nothing back to the host an
 
 from __future__ import annotations
 
+import copy
+import numbers
 import threading
 from dataclasses import dataclass, field
 
@@ -126,8 +128,39 @@ class Attention:
 
     def __call__(self, layer: int, q, k, v, fwd: "Forward", scale: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s attention in the forward pass ``fwd``: ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` ->
-        ``[B, HQ, L, D]``; ``scale`` defaults to ``D ** -0.5``. Layer 0 runs first in every pass."""
+        ``[B, HQ, L, D]``; ``scale`` defaults to ``D ** -0.5``. Layer 0 runs first in every pass. The layer index and
+        layer 0's head counts and head dim are checked against the plan (its shard's under tensor parallelism); each
+        op checks its tensors against layer 0's."""
+        if not isinstance(fwd, Forward):
+            raise TypeError(f"fwd must be a kascade.Forward, got {type(fwd).__name__}")
+        n = self.plan.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < n:
+            raise ValueError(f"layer must be an integer in 0..{n - 1} (the plan's layers), got {layer!r}")
+        layer = int(layer)
+        if layer == 0:
+            self._check_heads(q, k, v)
         return self.attend(layer, q, k, v, fwd.state_for(self, layer, q, k), scale)
+
+    def _check_heads(self, q, k, v) -> None:
+        fp = self.plan.fingerprint
+        kv = fp.num_kv_heads if self.shard is None else self.shard.count
+        want = (kv * (fp.num_q_heads // fp.num_kv_heads), kv, fp.head_dim)
+        shapes = [tuple(getattr(t, "shape", ())) for t in (q, k, v)]
+        if any(len(s) != 4 for s in shapes):
+            raise ValueError(f"q, k, v must be [B, heads, tokens, head_dim] tensors, got shapes {shapes}")
+        got = (shapes[0][1], shapes[1][1], shapes[0][3])
+        if got != want or shapes[2][1] != got[1] or shapes[1][3] != got[2] or shapes[2][3] != got[2]:
+            where = "" if self.shard is None else f" (this rank's shard of {fp.num_kv_heads} KV heads)"
+            raise ValueError(f"the plan was made for {want[0]} query / {want[1]} KV heads of dim {want[2]}{where}; "
+                             f"got q {shapes[0]}, k {shapes[1]}, v {shapes[2]}")
+
+    def __deepcopy__(self, memo):
+        """A copy with its own lock (a lock cannot be copied; copying an enabled model copies its runtime)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, threading.Lock() if name == "_lock" else copy.deepcopy(value, memo))
+        return new
 
     def attend(self, layer: int, q, k, v, fs: ForwardState, scale) -> torch.Tensor:
         """:meth:`__call__` given the pass's state (the protocol of every runtime :func:`kascade.integration.hf.

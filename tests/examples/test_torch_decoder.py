@@ -47,3 +47,38 @@ def test_a_forward_refuses_layers_out_of_order_and_bad_geometry():
         kascade.Attention(attn.plan, backend="cuda")
     out = attn(0, q, k, k, kascade.Forward())
     assert out.shape == q.shape
+
+
+def test_the_layer_index_and_layer_0s_shapes_are_checked_against_the_plan():
+    """The functional API checks what the transformers integration checks when it is enabled: tensors of another
+    head count or head dim were accepted (and, with an identity head map, computed), bad layer indices failed inside
+    the runtime with misleading errors."""
+    model = tiny_model("llama")  # 6 query / 2 KV heads of dim 8, 4 layers
+    attn = kascade.Attention(KascadePlan.uniform(ModelFingerprint.from_model(model), 2, k_min=8, tile=8),
+                             backend="reference")
+    q, k = torch.randn(1, 6, 10, 8), torch.randn(1, 2, 10, 8)
+    for bad_q, bad_k in ((torch.randn(1, 12, 10, 8), torch.randn(1, 4, 10, 8)),   # another head count
+                         (torch.randn(1, 6, 10, 16), torch.randn(1, 2, 10, 16)),  # another head dim
+                         (torch.randn(1, 4, 10, 8), k)):                          # another group size
+        with pytest.raises(ValueError, match="the plan was made for 6 query / 2 KV heads of dim 8"):
+            attn(0, bad_q, bad_k, bad_k, kascade.Forward())
+    attn(0, q, k, k, fwd := kascade.Forward())
+    for layer in (4, -1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match=r"layer must be an integer in 0\.\.3"):
+            attn(layer, q, k, k, fwd)
+    assert attn(torch.tensor(1).item(), q, k, k, fwd).shape == q.shape
+    with pytest.raises(TypeError, match="kascade.Forward"):
+        attn(0, q, k, k, None)
+
+
+def test_an_enabled_model_can_be_deep_copied():
+    """copy.deepcopy of an enabled model (its runtime holds a lock) failed with "cannot pickle '_thread.lock'"; the
+    copy computes what the original does."""
+    import copy
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), kascade.enable(model, KascadePlan.uniform(ModelFingerprint.from_model(model), 2, k_min=8,
+                                                                    tile=8)):
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin(ids).logits, model(ids).logits)
