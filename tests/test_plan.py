@@ -54,6 +54,19 @@ def test_bad_json_is_refused():
         KascadePlan.from_dict(d)
 
 
+def test_a_key_given_twice_in_plan_json_is_refused():
+    text = KascadePlan.uniform(FP, 2).to_json()
+    assert KascadePlan.from_json(text) == KascadePlan.uniform(FP, 2)
+    with pytest.raises(ValueError, match="'ratio' is given twice"):
+        KascadePlan.from_json('{"ratio": 0.5, ' + text.lstrip()[1:])
+
+
+@pytest.mark.parametrize("tp", [0, -3, 1.5, True, "2"])
+def test_a_tensor_parallel_size_that_is_not_a_count_is_refused_by_name(tp):
+    with pytest.raises(ValueError, match="tensor-parallel size must be an integer >= 1"):
+        KascadePlan.uniform(FP, 2).for_tensor_parallel(tp)
+
+
 def test_fingerprint_mismatch_names_the_field():
     from conftest import tiny_model
 

@@ -29,11 +29,35 @@ def _qkv(B=2, HQ=4, H=2, L=40, N=40, D=16, seed=0, dtype=torch.float32):
     (lambda q, k, v: select(q, k, budget=0.1), "kascade.Budget"),
     (lambda q, k, v: select(q, k, depth=0), "depth must be a positive number"),
     (lambda q, k, v: sparse_attention(q, k, v, "rows"), "kascade.ops.Selection"),
+    (lambda q, k, v: dense_attention(q, k.half(), v.half()), "one dtype"),
+    (lambda q, k, v: dense_attention(q, k, v.double()), "one dtype"),
+    (lambda q, k, v: select(q, k.double()), "one dtype"),
+    (lambda q, k, v: dense_attention(q, k, v, scale=float("nan")), "finite real number"),
+    (lambda q, k, v: select(q, k, scale=float("inf")), "finite real number"),
+    (lambda q, k, v: dense_attention(q, k, v, scale="0.25"), "finite real number"),
+    (lambda q, k, v: dense_attention(q, k[:, :, :0], v[:, :, :0]), "no keys"),
+    (lambda q, k, v: dense_attention(q[..., :0], k[..., :0], v[..., :0]), "empty head dim"),
+    (lambda q, k, v: dense_attention(q[:, :, :1], k, v, q_offset=2.0), "must be an integer"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_refused(call, needle):
     q, k, v = _qkv()
     with pytest.raises((ValueError, TypeError), match=needle):
         call(q, k, v)
+
+
+def test_numpy_and_tensor_scalars_are_taken_like_python_numbers():
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv()
+    want = dense_attention(q[:, :, :1], k, v, q_offset=3, scale=0.3)
+    assert torch.equal(dense_attention(q[:, :, :1], k, v, q_offset=np.int64(3), scale=np.float32(0.3)), want)
+    assert torch.equal(dense_attention(q[:, :, :1], k, v, q_offset=3, scale=torch.tensor(0.3)), want)
+
+
+def test_a_step_refuses_k_or_v_of_another_dtype():
+    q, k, v = _qkv()
+    step = plan_step(q, k, budget=BUDGET)
+    with pytest.raises(TypeError, match="one dtype"):
+        dense_attention(q, k, v.half(), step=step)
 
 
 def test_one_step_serves_every_layer_and_is_checked_against_each_call():

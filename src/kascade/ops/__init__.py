@@ -23,6 +23,8 @@ Triton kernels also run on CPU tensors (slowly: for tests).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
@@ -80,6 +82,9 @@ def _check_tensors(q, k, v) -> None:
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if v is not None and k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    dtypes = {x.dtype for x in (q, k, v) if x is not None}
+    if len(dtypes) > 1:
+        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for x in (q, k, v) if x is not None)}")
     B, HQ, L, D = q.shape
     Bk, H, N, Dk = k.shape
     if Bk != B or Dk != D:
@@ -88,6 +93,10 @@ def _check_tensors(q, k, v) -> None:
         raise ValueError(f"query heads ({HQ}) must be a multiple of KV heads ({H})")
     if L < 1:
         raise ValueError("q has no queries (L == 0)")
+    if N < 1:
+        raise ValueError("k has no keys (N == 0)")
+    if D < 1:
+        raise ValueError("q, k have an empty head dim (D == 0)")
     devs = {x.device for x in (q, k, v) if x is not None}
     if len(devs) > 1:
         raise ValueError(f"q, k, v are on different devices: {sorted(map(str, devs))}")
@@ -132,8 +141,9 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
         q_offset = int(q_offset)
     if q_offset is None:
         q_offset = N - L
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+    if isinstance(q_offset, bool) or not isinstance(q_offset, numbers.Integral):
         raise TypeError(f"q_offset must be an integer, got {q_offset!r}")
+    q_offset = int(q_offset)
     if not (0 <= q_offset <= N - L):
         raise ValueError(f"q_offset={q_offset} puts the {L} queries outside the {N} key slots")
     kv_start = torch.zeros(B, dtype=torch.long) if kv_start is None else torch.as_tensor(kv_start)
@@ -170,11 +180,20 @@ def _step(step, q, k, v, **given) -> Step:
                          f"k [{step.batch}, {step.kv_heads}, {step.keys}, {step.head_dim}])")
     if q.device != step.device or q.dtype != step.dtype:
         raise ValueError(f"q is {q.dtype} on {q.device}, the step was planned for {step.dtype} on {step.device}")
+    if k.dtype != q.dtype or (v is not None and v.dtype != q.dtype):
+        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for x in (q, k, v) if x is not None)}")
     return step
 
 
 def _scale(scale, q) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+    """The softmax scale: ``D ** -0.5`` by default; a given one must be a finite real number."""
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_complex():
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale!r}")
+    return float(scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------

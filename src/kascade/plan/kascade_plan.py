@@ -275,6 +275,8 @@ class KascadePlan:
         """The links ``(layer, head, anchor layer, anchor head)`` that cross tensor-parallel shards when the KV heads
         are split into ``tp`` equal, contiguous shards (empty: the plan runs shard-local at that size)."""
         H = self.fingerprint.num_kv_heads
+        if not _is_int(tp) or tp < 1:
+            raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
         if H % tp:
             raise ValueError(f"tensor-parallel size {tp} does not divide the model's {H} KV heads")
         per = H // tp
@@ -363,7 +365,7 @@ class KascadePlan:
     @classmethod
     def from_json(cls, text: str) -> "KascadePlan":
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"not a Kascade plan: invalid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d)
@@ -377,3 +379,14 @@ class KascadePlan:
         if not path.is_file():
             raise ValueError(f"no plan file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
         return cls.from_json(path.read_text())
+
+
+def _no_repeated_keys(pairs) -> dict:
+    """A JSON object, refused when it gives a key twice (json keeps the last silently: an edited plan file would
+    run with a value its reader may not have seen)."""
+    d = {}
+    for key, value in pairs:
+        if key in d:
+            raise ValueError(f"not a Kascade plan: the key {key!r} is given twice in one JSON object")
+        d[key] = value
+    return d
