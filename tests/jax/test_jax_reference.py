@@ -212,9 +212,23 @@ def test_take_heads_follows_the_head_map():
      "made for another chunk"),
     (lambda q, k, v: kj.sparse_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1],
                                          kj.select(q, k, budget=Budget(k_min=4, tile=8))), "prefill selection"),
+    (lambda q, k, v: kj.dense_attention(q, k.astype(jnp.float16), v.astype(jnp.float16)), "one dtype"),
+    (lambda q, k, v: kj.select(q, k.astype(jnp.bfloat16)), "one dtype"),
+    (lambda q, k, v: kj.dense_attention(q, k, v, scale=float("nan")), "finite real number"),
+    (lambda q, k, v: kj.dense_attention(q, k, v, scale=jnp.asarray(float("inf"))), "finite real number"),
+    (lambda q, k, v: kj.dense_attention(q, k[:, :, :0], v[:, :, :0]), "no keys"),
+    (lambda q, k, v: kj.dense_attention(q[..., :0], k[..., :0], v[..., :0]), "empty head dim"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_refused(call, needle):
     q, k, v, _, _ = _inputs((2, 4, 2, 40, 40, None, 16), seed=0)
     q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     with pytest.raises((ValueError, TypeError), match=needle):
         call(q, k, v)
+
+
+def test_a_traced_scale_is_taken_under_jit():
+    q, k, v, _, _ = _inputs((1, 4, 2, 16, 16, None, 8), seed=1)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    jitted = jax.jit(lambda q, k, v, s: kj.dense_attention(q, k, v, scale=s))
+    np.testing.assert_allclose(np.asarray(jitted(q, k, v, 0.3)), np.asarray(kj.dense_attention(q, k, v, scale=0.3)),
+                               rtol=1e-6, atol=1e-6)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..budget import Budget
+from ..ops.geometry import check_scale, check_shapes
 from . import reference
 from .reference import Selection, selection_shape
 
@@ -62,20 +63,11 @@ def _geometry(q, k, v, kv_start, q_offset, backend):
             continue  # selection needs no values
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be 4-D ([B, heads, len, D]), got shape {tuple(x.shape)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name} must be a floating-point array, got {x.dtype}")
-    if v is not None and k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, HQ, L, D = q.shape
-    Bk, H, N, Dk = k.shape
-    if Bk != B or Dk != D:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
-    if H == 0 or HQ % H:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of KV heads ({H})")
-    if L < 1:
-        raise ValueError("q has no queries (L == 0)")
+    check_shapes(q, k, v)
+    B, _, L, _ = q.shape
+    N = k.shape[2]
     if backend == "triton":
         from . import bridge
 
@@ -110,7 +102,11 @@ def _geometry(q, k, v, kv_start, q_offset, backend):
 
 
 def _scale(scale, q):
-    return q.shape[-1] ** -0.5 if scale is None else scale
+    """The softmax scale: ``D ** -0.5`` by default; a given concrete one must be a finite real number (a traced one
+    is taken as it is)."""
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    return scale if _traced(scale) else check_scale(scale)
 
 
 def _check_selection(sel, q, k, kv_start, q_offset) -> None:

@@ -23,7 +23,6 @@ Triton kernels also run on CPU tensors (slowly: for tests).
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 
@@ -31,6 +30,7 @@ import torch
 
 from ..budget import Budget
 from . import reference
+from .geometry import check_scale, check_shapes
 from .selection import Selection
 from .step import Step, decode_meta, decode_meta_static
 
@@ -76,27 +76,9 @@ def _check_tensors(q, k, v) -> None:
             continue  # selection needs no values
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D ([B, heads, len, D]), got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if v is not None and k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    dtypes = {x.dtype for x in (q, k, v) if x is not None}
-    if len(dtypes) > 1:
-        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for x in (q, k, v) if x is not None)}")
-    B, HQ, L, D = q.shape
-    Bk, H, N, Dk = k.shape
-    if Bk != B or Dk != D:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
-    if H == 0 or HQ % H:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of KV heads ({H})")
-    if L < 1:
-        raise ValueError("q has no queries (L == 0)")
-    if N < 1:
-        raise ValueError("k has no keys (N == 0)")
-    if D < 1:
-        raise ValueError("q, k have an empty head dim (D == 0)")
+    check_shapes(q, k, v)
     devs = {x.device for x in (q, k, v) if x is not None}
     if len(devs) > 1:
         raise ValueError(f"q, k, v are on different devices: {sorted(map(str, devs))}")
@@ -187,13 +169,7 @@ def _step(step, q, k, v, **given) -> Step:
 
 def _scale(scale, q) -> float:
     """The softmax scale: ``D ** -0.5`` by default; a given one must be a finite real number."""
-    if scale is None:
-        return q.shape[-1] ** -0.5
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_complex():
-        scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite real number, got {scale!r}")
-    return float(scale)
+    return q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------

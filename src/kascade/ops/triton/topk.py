@@ -141,7 +141,7 @@ def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
     if HIST:
         mass = tl.full([], G, tl.float32)  # a row's probabilities sum to G
         e_hi = _bound_exp(mass, tl.load(Meta + b * 4 + 2))
-        _first_histogram(Hist + row * NHIST, p.to(tl.int32, bitcast=True), pm, e_hi, CH)
+        _first_histogram(Hist + row.to(tl.int64) * NHIST, p.to(tl.int32, bitcast=True), pm, e_hi, CH)
         _last_finds(Meta, Hist, State, mass, row, tl.num_programs(0), H, NHIST, 2)
 
 
@@ -157,7 +157,7 @@ def _hist_kernel(Vals, Meta, Hist, State, sc_row, mass, CH: tl.constexpr, NHIST:
     pos = c * CH + tl.arange(0, CH)
     pm = pos < n
     key = tl.load(Vals + row.to(tl.int64) * sc_row + pos, mask=pm, other=float("-inf")).to(tl.int32, bitcast=True)
-    _first_histogram(Hist + row * NHIST, key, pm & (key >= 0), e_hi, CH)  # -inf (any negative): no candidate
+    _first_histogram(Hist + row.to(tl.int64) * NHIST, key, pm & (key >= 0), e_hi, CH)  # -inf (any negative): no candidate
     _last_finds(Meta, Hist, State, mass, row, tl.num_programs(0), 1, NHIST, 2)
 
 
@@ -169,7 +169,7 @@ def _find_level(Meta, Hist, State, mass, row, H: tl.constexpr, NHIST: tl.constex
     programs of the pass before LEVEL (whose last program makes this search) are still reading. After LEVEL 5
     (set 1) the prefix is the exact threshold. ``mass``: the bound the first histogram was counted under. Returns
     (prefix, known bits)."""
-    hrow = Hist + row * NHIST
+    hrow = Hist + row.to(tl.int64) * NHIST
     rd = State + row * 8 + 4 * ((LEVEL + 1) % 2)
     wr = State + row * 8 + 4 * (LEVEL % 2)
     if LEVEL == 2:
@@ -222,7 +222,7 @@ def _last_finds(Meta, Hist, State, mass, row, n_programs, H: tl.constexpr, NHIST
     # acquire's result is used, so every thread waits for it (Triton broadcasts a scalar atomic's result through
     # shared memory behind a barrier) before the bin search loads the histogram.
     tl.debug_barrier()
-    ticket = Hist + row * NHIST + _TK + LEVEL
+    ticket = Hist + row.to(tl.int64) * NHIST + _TK + LEVEL
     t = tl.atomic_add(ticket, 1, sem="release")
     if t == n_programs - 1:
         if tl.atomic_add(ticket, 0, sem="acquire") == n_programs:
@@ -249,7 +249,7 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
             bits = tl.minimum(12, 31 - known)
             match = pm & ((key >> (31 - known)) == prefix)  # known = 0: every key >= 0 (a negative one is no key)
             digit = (key >> (31 - known - bits)) & ((1 << bits) - 1)
-            tl.atomic_add(Hist + row * NHIST + _NB + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
+            tl.atomic_add(Hist + row.to(tl.int64) * NHIST + _NB + (LEVEL - 2) * 4096 + digit, tl.full([CH], 1, tl.int32),
                           mask=match, sem="relaxed")
             _last_finds(Meta, Hist, State, mass, row, C, H, NHIST, LEVEL + 1)
         # else: all 31 bits known (the common path's third refining pass): no counts, no ticket; the search before
