@@ -167,6 +167,16 @@ def test_an_out_that_cannot_take_files_is_refused_before_any_model_is_loaded(tmp
     assert f.read_text() == "not a folder"
 
 
+def test_an_out_in_use_by_another_run_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch, capsys):
+    from kascade.files import hold
+
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with hold(tmp_path, "kascade bench"):
+        rc = main(["bench", *FAST, "--lengths", "64", "--batches", "1", "--out", str(tmp_path)])
+    assert rc == 2
+    assert f"--out {tmp_path} is in use by kascade bench (process " in capsys.readouterr().err
+
+
 def test_a_read_only_out_is_refused(tmp_path):
     out = tmp_path / "ro"
     out.mkdir()

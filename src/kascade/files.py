@@ -1,9 +1,13 @@
-"""The output folder of a command, checked before any work."""
+"""The output folder of a command: checked before any work, held by one run at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from pathlib import Path
+
+LOCK = ".kascade.lock"
 
 
 def check_out(out: str | Path) -> Path:
@@ -19,3 +23,42 @@ def check_out(out: str | Path) -> Path:
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write the results there ({e.strerror or e})") from None
     return out
+
+
+@contextlib.contextmanager
+def hold(out: Path, command: str):
+    """Hold the folder ``out`` for one run of ``command``: a second run into it, from any process, is refused
+    (ValueError) while this one lasts, so two runs never mix their files. The hold is an advisory lock on
+    ``out/.kascade.lock``, released by the operating system when the process ends, however it ends."""
+    f = open(out / LOCK, "a+")
+    try:
+        if not _try_lock(f):
+            f.seek(0)
+            who = f.read().strip() or "another process"
+            raise ValueError(f"--out {out} is in use by {who}: wait for it to finish, or give another --out")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{command} (process {os.getpid()})\n")
+        f.flush()
+        yield out
+    finally:
+        f.close()  # releases the lock
+
+
+def _try_lock(f) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        f.seek(0)
+        try:
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False

@@ -82,7 +82,7 @@ def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
          "3 are needed (--samples, --holdout and --search-windows)"),
         (["--data", str(empty)], "empty"),
         (["--data", str(nofield), "--samples", "2"], "nofield.jsonl:2: no 'text' field"),
-        (["--data", str(short), "--samples", "1", "--seq-len", "200"], "at least 65"),
+        (["--data", str(short), "--samples", "1", "--seq-len", "200"], "text 1 has 4 tokens; a window of 200"),
         (["--anchors", "31"], "--anchors must be in 1..30"),
         (["--seq-len", "40"], "too short"),
     ]
@@ -166,7 +166,7 @@ def test_the_output_folder_and_the_data_are_checked_before_the_model(tmp_path, t
     assert "(it is a folder)" in _error([*TINY, "--data", str(tmp_path)], capsys)
     short = texts_file(tmp_path / "short.jsonl", 2, chars=10)
     err = _error([*TINY, *ANCHORS, "--data", str(short), "--out", str(tmp_path / "o")], capsys)
-    assert "short.jsonl: text 1 has 10 tokens; at least 17 are needed" in err
+    assert "short.jsonl: text 1 has 10 tokens; a window of 96 (--seq-len / --lengths) lies within one text" in err
     assert tiny.loads == []
 
 
@@ -213,3 +213,35 @@ def test_tensor_parallel_writes_the_shard_local_plan(tmp_path, tiny, capsys):
     assert local.tensor_parallel == 2 and local.crossing_links(2) == []
     assert glob.crossing_links(2), "the test needs a global plan with links across the two shards"
     assert "shard-local for 2 tensor-parallel ranks" in capsys.readouterr().out
+
+
+def test_an_interrupted_write_leaves_the_earlier_calibration_whole(tmp_path, tiny, monkeypatch, capsys):
+    """The files go in place together, plan.json last: Ctrl-C while they are written leaves the earlier run's files
+    (not a new plan.json beside the earlier pictures) and no temporary file."""
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    out = tmp_path / "cal"
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".kascade.lock"}
+    assert {"plan.json", "stats.json", "objective.csv", "similarity.png", "importance.png"} <= set(before)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    from kascade.calibrate import plots
+
+    monkeypatch.setattr(plots, "importance_curve", interrupted)  # the last picture
+    assert main(["calibrate", *TINY, "--anchors", "3", "--data", str(data), "--out", str(out)]) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".kascade.lock"} == before
+
+
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, tiny, capsys):
+    from kascade.files import hold
+
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    out = tmp_path / "cal"
+    out.mkdir()
+    with hold(out, "kascade calibrate"):
+        err = one_line_error("calibrate", [*TINY, *ANCHORS, "--data", str(data), "--out", str(out)], capsys)
+    assert f"--out {out} is in use by kascade calibrate (process " in err
+    assert not (out / "plan.json").exists() and tiny.loads == []
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--out", str(out)]) == 0  # released

@@ -194,6 +194,21 @@ def test_rows_are_kept_as_they_finish_and_the_same_command_resumes(tmp_path, tin
     assert len(_rows(out)) == 18
 
 
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, tiny, capsys):
+    """Two runs into one folder at once would mix their rows (of other settings, or each row twice)."""
+    from kascade.files import hold
+
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    out = tmp_path / "ev"
+    out.mkdir()
+    argv = [*FAST, "--data", str(data), "--samples", "2", "--out", str(out)]
+    with hold(out, "kascade eval"):
+        err = _error("eval", argv, capsys)
+    assert f"--out {out} is in use by kascade eval (process " in err
+    assert not (out / "rows.jsonl").exists() and tiny.loads == []
+    assert main(["eval", *argv]) == 0 and len(_rows(out)) == 6  # released
+
+
 def test_eval_data_windows_are_disjoint_from_the_calibration_windows(tmp_path, tiny, monkeypatch, capsys):
     """calibrate --data takes its texts from the start of the file (statistics, held-out, search) and prints how many;
     eval --data --skip-texts that many evaluates on windows of the texts after them."""

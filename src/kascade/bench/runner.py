@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..files import check_out
+from ..files import check_out, hold
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
 from .memory import available_bytes, estimate_bytes, predict_seconds, skip_reason
@@ -38,14 +38,19 @@ def _free(device) -> None:
 
 
 def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None) -> dict:
-    """Measure every (model, batch, length); write the outputs after each configuration; return the results."""
-    from tqdm.auto import tqdm
-
+    """Measure every (model, batch, length); write the outputs after each configuration; return the results. The
+    output folder is held for the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
     for m in models:
         if m not in MODELS:
             raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     check_plan(models, plan, model_path)
-    out = check_out(out)
+    with hold(check_out(out), "kascade bench") as out:
+        return _measure(models, settings, out, model_path, plan, argv)
+
+
+def _measure(models, settings: Settings, out, model_path, plan, argv) -> dict:
+    from tqdm.auto import tqdm
+
     clock = _Clock()
     results = dict(environment=environment(settings.device), settings=asdict(settings),
                    command=" ".join(argv) if argv else None, models={}, configs=[])

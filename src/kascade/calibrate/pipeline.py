@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 
 from .. import text
 from ..fidelity import DenseReference
-from ..files import check_out
+from ..files import check_out, hold
 from ..models import load_model
 from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
@@ -50,8 +51,8 @@ def is_method(name: str) -> bool:
 
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
                 need: str = "--samples plus --holdout", texts: list[str] | None = None) -> list[torch.Tensor]:
-    """``count`` token windows of at most ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of
-    each, after the first ``skip`` texts; ``texts``, when given, are the file's, already loaded) or from the
+    """``count`` token windows of ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of each,
+    at most: the caller refuses a shorter one; after the first ``skip`` texts; ``texts``, when given, are the file's, already loaded) or from the
     development split of pydoc_data.topics (``seed`` picks)."""
     if data is None:
         return text.windows(tok, "dev", seq_len, count, seed=seed)
@@ -232,25 +233,24 @@ def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
     def make(seq_len, count, **kw):
         return dev_windows(tok, data=s.data, field=s.text_field, seq_len=seq_len, count=count, texts=texts, **kw)
 
-    need = min_window_tokens(s.k, s.tile)
     wins = make(s.seq_len, s.samples + s.holdout_windows, seed=s.seed)
     by_len, search = {}, None
     if s.method != "faithful":
         by_len = {n: make(n, s.samples, seed=s.seed) for n in s.lengths_to_run if n != s.seq_len}
-    for ws in (wins[: s.samples], *by_len.values()):  # windows of the data's texts 1, 2, ...; pydoc's are full
-        for i, w in enumerate(ws):
-            if len(w) < need:
-                raise ValueError(f"{s.data}: text {i + 1} has {len(w)} tokens; at least {need} are needed for the "
-                                 f"statistics (one tile of {s.tile} after k={s.k} earlier keys)")
     if s.search_texts:
         # scored on other development windows than the statistics' (another seed; with --data, the texts after
         # those of the statistics and the holdout)
         search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=s.samples + s.holdout_windows,
                           need="--samples, --holdout and --search-windows") for n in s.lengths_to_run}
-    for w in [*wins[s.samples :], *(w for ws in (search or {}).values() for w in ws)]:
-        if len(w) < 2:
-            raise ValueError(f"{s.data}: a held-out or search text has {len(w)} token(s); a comparison with dense "
-                             "needs at least 2")
+    # windows of the data's texts 1, 2, ...; pydoc's are full. A text shorter than its window is refused (the
+    # statistics would average windows of other lengths than asked), as kascade eval refuses it
+    first = s.samples + s.holdout_windows
+    for n, ws, text0 in [(s.seq_len, wins, 0), *((n, ws, 0) for n, ws in by_len.items()),
+                         *((n, ws, first) for n, ws in (search or {}).items())]:
+        for i, w in enumerate(ws):
+            if len(w) < n:
+                raise ValueError(f"{s.data}: text {text0 + i + 1} has {len(w)} tokens; a window of {n} "
+                                 f"(--seq-len / --lengths) lies within one text: give longer texts or shorter windows")
     return _Windows(wins, by_len, search)
 
 
@@ -258,9 +258,13 @@ def run(settings: Settings) -> dict:
     """Calibrate, write the files into ``settings.out``; ``{plan, stats, table, out, pictures, measured, settings}``.
 
     Everything that can be checked before the statistics is: the output folder and the data file first, then the
-    model's shape and the token windows (from its config and tokenizer, before its weights are read)."""
-    s = settings
-    out = check_out(s.out)
+    model's shape and the token windows (from its config and tokenizer, before its weights are read). The output
+    folder is held for the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
+    with hold(check_out(settings.out), "kascade calibrate") as out:
+        return _run(settings, out)
+
+
+def _run(s: Settings, out: Path) -> dict:
     texts = None
     if s.data is not None:
         texts = load_texts(s.data, s.text_field)
@@ -328,27 +332,47 @@ def _method_plan(s: Settings, model, stats, num_anchors: int, wins: _Windows) ->
 
 def write(r: dict) -> list[Path]:
     """plan.json, stats.json, objective.csv (with the held-out fidelity of measured anchor counts) and the two
-    pictures (when matplotlib is there) into ``r["out"]``; returns the pictures written."""
+    pictures (when matplotlib is there) into ``r["out"]``; returns the pictures written. All are written under
+    temporary names first and then put in place, plan.json last: an interrupted run leaves the folder's earlier
+    files, or this run's plan with the rest of its files (never an earlier run's pictures beside it)."""
     out, plan, stats = r["out"], r["plan"], r["stats"]
     out.mkdir(parents=True, exist_ok=True)
-    plan.save(out / "plan.json")
-    (out / "stats.json").write_text(json.dumps(stats.to_dict()) + "\n")
-    with open(out / "objective.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["anchors", "objective", "fraction_of_all_anchor", "layers", "heldout_agreement", "heldout_kl"])
-        for row in r["table"]:
-            m = r["measured"].get(row["anchors"])
-            w.writerow([row["anchors"], f"{row['objective']:.5f}", f"{row['fraction']:.5f}",
-                        " ".join(map(str, row["layers"])), f"{m.top1_agreement:.4f}" if m else "",
-                        f"{m.kl:.4f}" if m else ""])
-    try:
-        from .plots import importance_curve, similarity_heatmap
+    done: list[tuple[Path, Path]] = []  # (written, final)
 
-        return [similarity_heatmap(stats, plan.anchors, out / "similarity.png"),
-                importance_curve(stats, plan.anchors, out / "importance.png")]
-    except ImportError as e:
-        print(f"note: no plots written ({e})")
-        return []
+    def temp(name: str) -> Path:
+        final = out / name
+        done.append((final.with_name(f"{final.stem}.tmp{final.suffix}"), final))
+        return done[-1][0]
+
+    try:
+        temp("stats.json").write_text(json.dumps(stats.to_dict()) + "\n")
+        with open(temp("objective.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["anchors", "objective", "fraction_of_all_anchor", "layers", "heldout_agreement", "heldout_kl"])
+            for row in r["table"]:
+                m = r["measured"].get(row["anchors"])
+                w.writerow([row["anchors"], f"{row['objective']:.5f}", f"{row['fraction']:.5f}",
+                            " ".join(map(str, row["layers"])), f"{m.top1_agreement:.4f}" if m else "",
+                            f"{m.kl:.4f}" if m else ""])
+        pictures = []
+        try:
+            from .plots import importance_curve, similarity_heatmap
+
+            similarity_heatmap(stats, plan.anchors, temp("similarity.png"))
+            importance_curve(stats, plan.anchors, temp("importance.png"))
+            pictures = [out / "similarity.png", out / "importance.png"]
+        except ImportError as e:
+            print(f"note: no plots written ({e})")
+            done[:] = [(t, f) for t, f in done if f.suffix != ".png"]
+            for name in ("similarity.png", "importance.png"):  # an earlier run's, which would not match this plan
+                (out / name).unlink(missing_ok=True)
+        plan.save(temp("plan.json"))
+        for written, final in done:
+            os.replace(written, final)
+    finally:
+        for written, _ in done:
+            written.unlink(missing_ok=True)
+    return pictures
 
 
 def report(r: dict) -> str:

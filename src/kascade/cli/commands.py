@@ -84,7 +84,7 @@ def add_calibrate(sub) -> None:
     c.add_argument("--data", default=None, type=file, metavar="FILE",
                    help="development texts: a JSONL file (.jsonl or .json: one object per line, the text under "
                    "--text-field) or a plain-text file (one text). Each window is the first --seq-len tokens of one "
-                   "text, taken in file order: --samples texts for the statistics, then --holdout, then "
+                   "text (a shorter text is refused), taken in file order: --samples texts for the statistics, then --holdout, then "
                    "--search-windows (default: the development split of Python's pydoc_data.topics)")
     c.add_argument("--text-field", default=cal.text_field,
                    help=f"with a JSONL --data: the field holding the text (default: {cal.text_field})")

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .. import models, text
 from ..fidelity import DenseReference
-from ..files import check_out
+from ..files import check_out, hold
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
@@ -271,9 +271,13 @@ def data_windows(tok, texts: list[str], lengths, samples: int, *, skip: int = 0,
 
 
 def evaluate(settings: Settings, *, progress: bool = True) -> dict:
-    """Run `kascade eval` (module docstring); ``{summary, markdown, files, rows}``."""
-    s = settings
-    out = check_out(s.out)
+    """Run `kascade eval` (module docstring); ``{summary, markdown, files, rows}``. The output folder is held for
+    the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
+    with hold(check_out(settings.out), "kascade eval") as out:
+        return _evaluate(settings, out, progress)
+
+
+def _evaluate(s: Settings, out, progress: bool) -> dict:
     plan = KascadePlan.load(s.plan) if s.plan is not None else None
     texts = load_texts(s.data, s.text_field) if s.data is not None else None
     if texts is not None and len(texts) <= s.skip_texts:
