@@ -106,3 +106,15 @@ def test_a_folder_loads_and_check_sees_its_config_before_the_weights(tiny_folder
 
     with pytest.raises(ValueError, match=r"--anchors must be in 1\.\.4"):
         load_model(tiny_folder, check=refuse)
+
+
+def test_lengths_beyond_the_trained_context_get_a_note():
+    from types import SimpleNamespace
+
+    from kascade.models import beyond_context
+
+    config = SimpleNamespace(max_position_embeddings=8192)
+    assert beyond_context(config, [4096, 8192], "kascade eval") is None
+    note = beyond_context(config, [4096, 9000, 16384, 9000], "kascade eval")
+    assert note.startswith("note: kascade eval at 9000, 16384 tokens, beyond the 8192 the model was trained for")
+    assert beyond_context(SimpleNamespace(), [10**6], "kascade eval") is None  # a config that does not say

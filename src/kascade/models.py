@@ -103,6 +103,18 @@ def _source(path):
     return path, where, kw, read
 
 
+def beyond_context(config, lengths, command: str) -> str | None:
+    """A note when a length exceeds the context the model was trained for (``max_position_embeddings``): its scores
+    there compare Kascade with dense attention on a model outside its training, which the note says; None
+    otherwise."""
+    most = getattr(config, "max_position_embeddings", None)
+    over = sorted(n for n in set(lengths) if most and n > most)
+    if not over:
+        return None
+    return (f"note: {command} at {', '.join(map(str, over))} tokens, beyond the {most} the model was trained for: "
+            "the comparison with dense attention holds, the model's own quality there is not what it was trained for")
+
+
 def cache_kwargs(model, cache) -> dict:
     """``{name: cache}`` for passing a KV cache to ``model``'s forward: ``cache`` in the transformers versions that
     name it so, ``past_key_values`` in the older ones (the newer ones still take it, with a deprecation warning)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,12 +39,16 @@ def split_ids(tokenizer, split: str) -> torch.Tensor:
     return ids[:cut] if split == "dev" else ids[cut:]
 
 
-def windows(tokenizer, split: str, length: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+def windows(tokenizer, split: str, length: int, count: int, seed: int = 0,
+            avoid: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``count`` windows of ``length`` tokens from ``split``, deterministic in ``seed``.
 
     Windows are spread evenly over the split (starting at a seeded offset); they overlap only when the split is
-    too short to hold ``count`` disjoint windows. Raises ValueError when one window does not fit.
-    """
+    too short to hold ``count`` disjoint windows, and then a warning says how many of their tokens are distinct.
+    ``avoid``: windows of the same split (from this function) that these must not share tokens with (the
+    statistics' windows, for windows that score plans): where the seeded windows would, they are spread evenly over
+    the rest of the split instead, or, where that is too short, kept with a warning of the tokens shared. Raises ValueError when one window
+    does not fit."""
     if length < 1 or count < 1:
         raise ValueError(f"length and count must be >= 1, got {length}, {count}")
     ids = split_ids(tokenizer, split)
@@ -56,7 +61,37 @@ def windows(tokenizer, split: str, length: int, count: int, seed: int = 0) -> li
         starts = [shift + i * (length + gap) for i in range(count)]
     else:  # the split is too short: evenly spread, overlapping windows
         starts = [round(i * room / max(1, count - 1)) for i in range(count)]
-    return [ids[s : s + length].clone() for s in starts]
+    spans = sorted((_start(ids, w), _start(ids, w) + len(w)) for w in avoid or [])
+    if any(a < st + length and st < e for st in starts for a, e in spans):
+        free = _free_starts(len(ids), length, spans)
+        if len(free) >= count:  # disjoint from the windows to avoid and from each other
+            starts = [free[round(i * (len(free) - 1) / max(1, count - 1))] for i in range(count)]
+    covered = {x for st in starts for x in range(st, st + length)}
+    if len(covered) < count * length:
+        warnings.warn(f"{count} windows of {length} tokens overlap: the {split} split holds {len(ids)} tokens, "
+                      f"{len(covered) / (count * length):.0%} of the windows' tokens are distinct", stacklevel=2)
+    shared = sum(1 for a, e in spans for x in range(a, e) if x in covered)
+    if shared:
+        warnings.warn(f"{count} windows of {length} tokens share {shared} tokens with the {len(spans)} windows they "
+                      f"should avoid: the {split} split ({len(ids)} tokens) is too short for both", stacklevel=2)
+    return [ids[st : st + length].clone() for st in starts]
+
+
+def _start(ids: torch.Tensor, window: torch.Tensor) -> int:
+    """Where ``window`` (a slice of ``ids`` made by :func:`windows`) starts in ``ids``."""
+    for st in (ids[: len(ids) - len(window) + 1] == window[0]).nonzero().flatten().tolist():
+        if torch.equal(ids[st : st + len(window)], window):
+            return st
+    raise ValueError("a window to avoid is not a window of this split")
+
+
+def _free_starts(n: int, length: int, spans: list[tuple[int, int]]) -> list[int]:
+    """Starts of non-overlapping windows of ``length`` in ``[0, n)`` outside ``spans``, packed from each gap's start."""
+    out, pos = [], 0
+    for a, e in [*sorted(spans), (n, n)]:
+        out += range(pos, a - length + 1, length)
+        pos = max(pos, e)
+    return out
 
 
 def cut_windows(tokenizer, texts, length: int, count: int) -> list[torch.Tensor]:

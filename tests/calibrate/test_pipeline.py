@@ -37,3 +37,28 @@ def test_settings_refuse_what_cannot_run():
     s = pipeline.Settings(method="any-anchor+sinks", lengths=[300, 200], rolling=False)
     assert s.lengths == (300, 200) and s.budget == dict(ratio=0.10, k_min=128, tile=32, rolling=False)
     assert s.holdout_windows == 0 and pipeline.Settings(target_agreement=0.9).holdout_windows == 2
+
+
+def test_the_search_scores_plans_on_other_windows_than_the_statistics():
+    """--method search: its windows share no token with the statistics' and the holdout's (they did, e.g. 19% at
+    --seq-len 8192 on the default model, where another seed's windows fell on them)."""
+    from test_text import PositionTokenizer, _positions
+
+    for seed in range(6):
+        s = pipeline.Settings(method="search", seq_len=30_000, samples=3, holdout=1, target_agreement=0.9,
+                              search_windows=2, seed=seed)
+        w = pipeline._windows(s, PositionTokenizer(), None)
+        taken = set().union(*_positions(w.stats))
+        assert len(w.stats) == 4 and not any(p & taken for ws in w.search.values() for p in _positions(ws))
+
+
+def test_the_report_marks_the_dp_row_chosen_only_when_the_plan_has_its_layers(tmp_path):
+    """--method search moves the DP's anchors: its row was marked chosen beside layers the plan does not have."""
+    from kascade import KascadePlan, ModelFingerprint
+
+    plan = KascadePlan.uniform(ModelFingerprint("llama", 6, 4, 2, 8), 2)  # anchors 0, 3
+    row = dict(anchors=2, objective=0.5, fraction=0.9)
+    r = dict(plan=plan, out=tmp_path, pictures=[])
+    assert "[0, 3] <- chosen\n" in pipeline.report({**r, "table": [{**row, "layers": [0, 3]}]})
+    moved = pipeline.report({**r, "table": [{**row, "layers": [0, 2]}]})
+    assert "[0, 2] <- chosen count (the plan's below)" in moved and "plan: anchors [0, 3]" in moved

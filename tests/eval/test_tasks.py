@@ -74,6 +74,21 @@ def test_longbench_records_without_usable_answers_are_refused(tmp_path, answers,
         longbench.load(f, limit=1)  # the whole file is checked, not only the records used
 
 
+def test_a_longbench_dataset_without_a_metric_is_refused_by_line(tmp_path):
+    """LongBench's count and retrieval datasets (whose metrics are not here) and misspelt names were scored with
+    QA F1, silently; a dataset of one's own names its metric."""
+    f = tmp_path / "lb.jsonl"
+    good = dict(context="Alice lives in Paris.", input="Where?", answers=["Paris"], dataset="hotpotqa")
+    for name in ("passage_count", "hotpot_qa"):
+        f.write_text(json.dumps(good) + "\n" + json.dumps({**good, "dataset": name}) + "\n")
+        with pytest.raises(ValueError, match=f"lb.jsonl:2: dataset '{name}' has no metric here"):
+            longbench.load(f)
+    f.write_text(json.dumps({**good, "dataset": "rouge_l"}) + "\n")
+    assert longbench.load(f)[0].task == "longbench/rouge_l"
+    assert longbench.score("rouge_l", "Alice lives in Paris", ["Paris"]) == longbench.rouge_l("Alice lives in Paris",
+                                                                                              "Paris")
+
+
 def test_longbench_fields_must_be_strings_and_scores_need_answers(tmp_path):
     f = tmp_path / "lb.jsonl"
     f.write_text(json.dumps(dict(context=None, input="y", answers="x", dataset="trec")) + "\n")

@@ -30,7 +30,7 @@ import torch
 from .. import text
 from ..fidelity import DenseReference
 from ..files import check_out, hold
-from ..models import load_model
+from ..models import beyond_context, load_model
 from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
 from . import target
@@ -50,12 +50,14 @@ def is_method(name: str) -> bool:
 
 
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
-                need: str = "--samples plus --holdout", texts: list[str] | None = None) -> list[torch.Tensor]:
+                need: str = "--samples plus --holdout", texts: list[str] | None = None,
+                avoid: list | None = None) -> list[torch.Tensor]:
     """``count`` token windows of ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of each,
-    at most: the caller refuses a shorter one; after the first ``skip`` texts; ``texts``, when given, are the file's, already loaded) or from the
-    development split of pydoc_data.topics (``seed`` picks)."""
+    at most: the caller refuses a shorter one; after the first ``skip`` texts; ``texts``, when given, are the
+    file's, already loaded) or from the development split of pydoc_data.topics (``seed`` picks; ``avoid``: windows
+    these must not share tokens with, :func:`kascade.text.windows`)."""
     if data is None:
-        return text.windows(tok, "dev", seq_len, count, seed=seed)
+        return text.windows(tok, "dev", seq_len, count, seed=seed, avoid=avoid)
     texts = load_texts(data, field) if texts is None else texts
     if len(texts) < skip + count:
         raise ValueError(f"{data} holds {len(texts)} texts; {skip + count} are needed ({need})")
@@ -238,10 +240,11 @@ def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
     if s.method != "faithful":
         by_len = {n: make(n, s.samples, seed=s.seed) for n in s.lengths_to_run if n != s.seq_len}
     if s.search_texts:
-        # scored on other development windows than the statistics' (another seed; with --data, the texts after
-        # those of the statistics and the holdout)
+        # scored on other development windows than the statistics' and the holdout's (another seed, away from
+        # theirs; with --data, the texts after theirs)
+        taken = [*wins, *(w for ws in by_len.values() for w in ws)]
         search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=s.samples + s.holdout_windows,
-                          need="--samples, --holdout and --search-windows") for n in s.lengths_to_run}
+                          need="--samples, --holdout and --search-windows", avoid=taken) for n in s.lengths_to_run}
     # windows of the data's texts 1, 2, ...; pydoc's are full. A text shorter than its window is refused (the
     # statistics would average windows of other lengths than asked), as kascade eval refuses it
     first = s.samples + s.holdout_windows
@@ -275,6 +278,9 @@ def _run(s: Settings, out: Path) -> dict:
 
     def prepare(config, tok):
         s.check_model(ModelFingerprint.from_config(config))
+        note = beyond_context(config, [s.seq_len, *s.lengths_to_run], "kascade calibrate")
+        if note:
+            print(note)
         ready.append(_windows(s, tok, texts))
 
     model, tok = load_model(s.model, device=s.device, dtype=torch.float32 if s.device == "cpu" else torch.bfloat16,
@@ -379,7 +385,9 @@ def report(r: dict) -> str:
     plan = r["plan"]
     lines = [f"{'A':>3} {'objective':>10} {'of all-anchor':>14}  anchors"]
     for row in r["table"]:
-        mark = " <- chosen" if row["anchors"] == len(plan.anchors) else ""
+        mark = ""
+        if row["anchors"] == len(plan.anchors):  # the DP's layers; a search may have moved them
+            mark = " <- chosen" if list(row["layers"]) == list(plan.anchors) else " <- chosen count (the plan's below)"
         lines.append(f"{row['anchors']:3d} {row['objective']:10.4f} {row['fraction']:14.4f}  {row['layers']}{mark}")
     reuse = [b for b in range(plan.num_layers) if not plan.is_anchor(b)]
     remapped = sum(plan.head_map[b] != tuple(range(plan.fingerprint.num_kv_heads)) for b in reuse)

@@ -38,9 +38,10 @@ def search_anchors(build, scorer, start, num_layers: int, *, max_evals: int = 40
                     f"{cache[anchors]['agreement']:.4f}")
         return cache[anchors]
 
+    bar = tqdm(total=max_evals, desc="anchor search", unit="plan", disable=not progress)
     best = tuple(sorted(start))
     best_s = score(best)
-    bar = tqdm(total=max_evals, desc="anchor search", unit="plan", disable=not progress)
+    bar.update(1)
     improved = True
     while improved and len(cache) < max_evals:
         improved = False

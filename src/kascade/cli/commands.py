@@ -237,7 +237,8 @@ def add_eval(sub) -> None:
                    "model's layer count (default: 2)")
     e.add_argument("--longbench", default=None, type=file, metavar="FILE",
                    help="a LongBench-format JSONL file: one record per line with context, input, answers (a string "
-                   "or a list of strings) and dataset (which picks the metric); its records run after the tasks, "
+                   "or a list of strings) and dataset (which picks the metric: a LongBench dataset's name, or for one of your own "
+                   "qa_f1, rouge_l, classification or code_sim; others are refused); its records run after the tasks, "
                    "each at its own length")
     e.add_argument("--longbench-limit", type=positive(), default=None,
                    help="use the first this many LongBench records (default: all)")

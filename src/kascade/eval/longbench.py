@@ -74,11 +74,22 @@ DATASET_METRIC = {
 }
 
 
+def metric_of(dataset: str) -> str:
+    """The metric a dataset is scored with: LongBench's for its datasets; a dataset of one's own names its metric
+    (``"qa_f1"``, ``"rouge_l"``, ``"classification"``, ``"code_sim"``). Anything else is refused (ValueError)."""
+    if dataset in DATASET_METRIC:
+        return DATASET_METRIC[dataset]
+    if dataset in METRICS:
+        return dataset
+    raise ValueError(f"dataset {dataset!r} has no metric here: one of LongBench's {', '.join(sorted(DATASET_METRIC))}, "
+                     f"or, for a dataset of your own, the metric's name ({', '.join(METRICS)})")
+
+
 def score(dataset: str, prediction: str, answers: list[str]) -> float:
-    """LongBench's score: the dataset's metric, maximised over the gold answers."""
+    """LongBench's score: the dataset's metric (:func:`metric_of`), maximised over the gold answers."""
     if not answers:
         raise ValueError("a LongBench sample needs at least one gold answer")
-    metric = METRICS[DATASET_METRIC.get(dataset, "qa_f1")]
+    metric = METRICS[metric_of(dataset)]
     return max(metric(prediction, a) for a in answers)
 
 
@@ -103,6 +114,10 @@ def load(path: str | Path, limit: int | None = None) -> list[Sample]:
         for f in ("context", "input", "dataset"):
             if not isinstance(rec[f], str):
                 raise ValueError(f"{path}:{n}: {f!r} must be a string, got {_short(rec[f])}")
+        try:
+            metric_of(rec["dataset"])
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
         answers = [rec["answers"]] if isinstance(rec["answers"], str) else rec["answers"]
         if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
             raise ValueError(f"{path}:{n}: 'answers' must be a non-empty list of non-empty strings (the gold answers), "

@@ -293,6 +293,9 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
     ready = []
 
     def prepare(config, tok):
+        note = models.beyond_context(config, s.lengths, "kascade eval")
+        if note:
+            print(note)
         shape = SimpleNamespace(config=config)  # what the strategies read of a model
         fp = ModelFingerprint.from_config(config)
         if plan is not None and plan.fingerprint != fp:
