@@ -111,7 +111,8 @@ def add_calibrate(sub) -> None:
                    f"agreement tries (both: the slower of the two) (default: {cal.speedup_mode})")
     c.add_argument("--cost-shape", default=None, choices=tuple(costs.shapes()),
                    help="whose measured kernel times model the speedup (default: the model's own shape if measured, "
-                   f"else {costs.DEFAULT_SHAPE})")
+                   f"else {costs.DEFAULT_SHAPE}, or a --cost-table's first shape when it lacks that one; the report "
+                   "names the shape used)")
     c.add_argument("--cost-table", default=None, type=file, metavar="FILE",
                    help="model the speedup with the kernel times of this file, measured on your GPU by kascade "
                    "costs, instead of the shipped H200 times (128K tokens where measured, else its longest length)")
