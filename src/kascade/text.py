@@ -61,7 +61,7 @@ def windows(tokenizer, split: str, length: int, count: int, seed: int = 0,
         starts = [shift + i * (length + gap) for i in range(count)]
     else:  # the split is too short: evenly spread, overlapping windows
         starts = [round(i * room / max(1, count - 1)) for i in range(count)]
-    spans = sorted((_start(ids, w), _start(ids, w) + len(w)) for w in avoid or [])
+    spans = sorted((st, st + len(w)) for w in avoid or [] for st in [_start(ids, w)])
     if any(a < st + length and st < e for st in starts for a, e in spans):
         free = _free_starts(len(ids), length, spans)
         if len(free) >= count:  # disjoint from the windows to avoid and from each other

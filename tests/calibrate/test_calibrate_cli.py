@@ -245,3 +245,19 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, tiny, capsys):
     assert f"--out {out} is in use by kascade calibrate (process " in err
     assert not (out / "plan.json").exists() and tiny.loads == []
     assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--out", str(out)]) == 0  # released
+
+
+def test_without_matplotlib_no_earlier_pictures_stay_beside_the_new_plan(tmp_path, tiny, monkeypatch, capsys):
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    out = tmp_path / "cal"
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--out", str(out)]) == 0
+    assert (out / "similarity.png").exists()
+
+    def no_matplotlib():
+        raise ImportError("plots need matplotlib")
+
+    monkeypatch.setattr(pipeline, "pyplot", no_matplotlib)
+    assert main(["calibrate", *TINY, "--anchors", "3", "--data", str(data), "--out", str(out)]) == 0
+    assert "note: no plots written (plots need matplotlib)" in capsys.readouterr().out
+    assert len(KascadePlan.load(out / "plan.json").anchors) == 3
+    assert sorted(p.name for p in out.iterdir()) == [".kascade.lock", "objective.csv", "plan.json", "stats.json"]

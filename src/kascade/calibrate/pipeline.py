@@ -31,6 +31,7 @@ from .. import text
 from ..fidelity import DenseReference
 from ..files import check_out, hold
 from ..models import beyond_context, load_model
+from ..plots import pyplot
 from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
 from . import target
@@ -235,7 +236,8 @@ def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
     def make(seq_len, count, **kw):
         return dev_windows(tok, data=s.data, field=s.text_field, seq_len=seq_len, count=count, texts=texts, **kw)
 
-    wins = make(s.seq_len, s.samples + s.holdout_windows, seed=s.seed)
+    first = s.samples + s.holdout_windows  # the texts (with --data) of the statistics and the holdout
+    wins = make(s.seq_len, first, seed=s.seed)
     by_len, search = {}, None
     if s.method != "faithful":
         by_len = {n: make(n, s.samples, seed=s.seed) for n in s.lengths_to_run if n != s.seq_len}
@@ -243,11 +245,10 @@ def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
         # scored on other development windows than the statistics' and the holdout's (another seed, away from
         # theirs; with --data, the texts after theirs)
         taken = [*wins, *(w for ws in by_len.values() for w in ws)]
-        search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=s.samples + s.holdout_windows,
+        search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=first,
                           need="--samples, --holdout and --search-windows", avoid=taken) for n in s.lengths_to_run}
     # windows of the data's texts 1, 2, ...; pydoc's are full. A text shorter than its window is refused (the
     # statistics would average windows of other lengths than asked), as kascade eval refuses it
-    first = s.samples + s.holdout_windows
     for n, ws, text0 in [(s.seq_len, wins, 0), *((n, ws, 0) for n, ws in by_len.items()),
                          *((n, ws, first) for n, ws in (search or {}).items())]:
         for i, w in enumerate(ws):
@@ -336,6 +337,9 @@ def _method_plan(s: Settings, model, stats, num_anchors: int, wins: _Windows) ->
                             max_evals=s.search_evals, budget=s.budget, log=print)
 
 
+PICTURES = ("similarity.png", "importance.png")
+
+
 def write(r: dict) -> list[Path]:
     """plan.json, stats.json, objective.csv (with the held-out fidelity of measured anchor counts) and the two
     pictures (when matplotlib is there) into ``r["out"]``; returns the pictures written. All are written under
@@ -344,6 +348,12 @@ def write(r: dict) -> list[Path]:
     out, plan, stats = r["out"], r["plan"], r["stats"]
     out.mkdir(parents=True, exist_ok=True)
     done: list[tuple[Path, Path]] = []  # (written, final)
+    pictures = PICTURES
+    try:
+        pyplot()
+    except ImportError as e:
+        print(f"note: no plots written ({e})")
+        pictures = ()
 
     def temp(name: str) -> Path:
         final = out / name
@@ -360,17 +370,13 @@ def write(r: dict) -> list[Path]:
                 w.writerow([row["anchors"], f"{row['objective']:.5f}", f"{row['fraction']:.5f}",
                             " ".join(map(str, row["layers"])), f"{m.top1_agreement:.4f}" if m else "",
                             f"{m.kl:.4f}" if m else ""])
-        pictures = []
-        try:
+        if pictures:
             from .plots import importance_curve, similarity_heatmap
 
             similarity_heatmap(stats, plan.anchors, temp("similarity.png"))
             importance_curve(stats, plan.anchors, temp("importance.png"))
-            pictures = [out / "similarity.png", out / "importance.png"]
-        except ImportError as e:
-            print(f"note: no plots written ({e})")
-            done[:] = [(t, f) for t, f in done if f.suffix != ".png"]
-            for name in ("similarity.png", "importance.png"):  # an earlier run's, which would not match this plan
+        else:
+            for name in PICTURES:  # an earlier run's, which would not match this plan
                 (out / name).unlink(missing_ok=True)
         plan.save(temp("plan.json"))
         for written, final in done:
@@ -378,7 +384,7 @@ def write(r: dict) -> list[Path]:
     finally:
         for written, _ in done:
             written.unlink(missing_ok=True)
-    return pictures
+    return [out / name for name in pictures]
 
 
 def report(r: dict) -> str:

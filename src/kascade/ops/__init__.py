@@ -30,7 +30,7 @@ import torch
 
 from ..budget import Budget
 from . import reference
-from .geometry import check_scale, check_shapes
+from .geometry import check_dtypes, check_scale, check_shapes
 from .selection import Selection
 from .step import Step, decode_meta, decode_meta_static
 
@@ -162,8 +162,7 @@ def _step(step, q, k, v, **given) -> Step:
                          f"k [{step.batch}, {step.kv_heads}, {step.keys}, {step.head_dim}])")
     if q.device != step.device or q.dtype != step.dtype:
         raise ValueError(f"q is {q.dtype} on {q.device}, the step was planned for {step.dtype} on {step.device}")
-    if k.dtype != q.dtype or (v is not None and v.dtype != q.dtype):
-        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for x in (q, k, v) if x is not None)}")
+    check_dtypes(q, k, v)
     return step
 
 

@@ -18,8 +18,7 @@ def check_shapes(q, k, v=None) -> None:
             raise ValueError(f"{name} must be 4-D ([B, heads, len, D]), got shape {tuple(x.shape)}")
     if v is not None and tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if len({str(x.dtype) for _, x in arrays}) > 1:
-        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for _, x in arrays)}")
+    check_dtypes(q, k, v)
     B, HQ, L, D = q.shape
     Bk, H, N, Dk = k.shape
     if Bk != B or Dk != D:
@@ -32,6 +31,13 @@ def check_shapes(q, k, v=None) -> None:
         raise ValueError("k has no keys (N == 0)")
     if D < 1:
         raise ValueError("q, k have an empty head dim (D == 0)")
+
+
+def check_dtypes(q, k, v=None) -> None:
+    """TypeError unless ``q``, ``k`` (and ``v``) have one dtype."""
+    arrays = [x for x in (q, k, v) if x is not None]
+    if any(x.dtype != q.dtype for x in arrays):
+        raise TypeError(f"q, k, v must have one dtype, got {', '.join(str(x.dtype) for x in arrays)}")
 
 
 def check_scale(scale) -> float:
