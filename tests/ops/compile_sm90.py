@@ -71,8 +71,8 @@ def variants():
                         POLY=poly), nw, ns)
         # G = 6: two blocks, 128 + 64 rows, with the first reloaded; fma8: the sweep's FMA exponentials; tiles2: two
         # tiles a program (the sweep's)
-        for Gs, poly, tiles in ((G, tp.SCORE_FMA_EXP, tp.SCORE_TILES), (G, 8, tp.SCORE_TILES), (G, 0, 2),
-                                *(((6, tp.SCORE_FMA_EXP, tp.SCORE_TILES),) if D == 128 else ())):
+        for Gs, poly, tiles in ((G, tp.score_fma_exp(D), tp.SCORE_TILES), (G, 8 - tp.score_fma_exp(D), tp.SCORE_TILES), (G, 0, 2),
+                                *(((6, tp.score_fma_exp(D), tp.SCORE_TILES),) if D == 128 else ())):
             M, NSUB, MR = tp._score_rows(Gs, T, None, tiles)
             bn, nw, ns = tp._score_config(D, NSUB)
             yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else "")
@@ -80,7 +80,7 @@ def variants():
                    tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
                                           NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly, TL=tiles), nw, ns)
         M, NRB = tp._tile_rows(G, T)
-        bn, nw, ns, ahead = tp._sparse_config(D)
+        bn, nw, ns, ahead, _ = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
                dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
                     PREFETCH=ahead), nw, ns)

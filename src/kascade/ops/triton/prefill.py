@@ -458,24 +458,28 @@ def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int,
         return 64, 64, 4, 2
     if D <= 64:
         return 128, 64, 4, 3
-    if D <= 128:  # H200 sweep at N = 32K: dense 17.3 ms with (128, 128, 8, 3); QK-only 10.2 ms with (128, 64, 8, 2)
-        return (128, 128, 8, 3) if has_v else (128, 64, 8, 2)
+    if D <= 128:  # H200 sweeps at N = 32K: dense 17.3 ms with (128, 128, 8, 3) (run 10; 17.1 in run 11); QK-only 9.0 ms
+        # with 256 rows a program, 64 queries x 4 heads, each K block feeding twice the rows (run 11: 9.8 with
+        # (128, 64, 8, 2), run 10's choice, 9.2 with (128, 64, 8, 4); the dense pass spills at 256 rows)
+        return (128, 128, 8, 3) if has_v else (256, 64, 8, 3)
     return 64, 64, 4, 2
 
 
-def _sparse_config(D: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, num_warps, num_stages, PREFETCH) of the sparse kernel. H200 sweeps at 32K (prefill.md, runs 8-10),
-    run 10 the first with the kernel's wgmma instructions not serialised by ptxas: Llama shapes (64, 8, 3) with
-    PREFETCH 2.73 ms, (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's choice, then
-    2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64): (64, 4, 4) with
-    PREFETCH 0.62 ms, (64, 4, 3) with or without 0.69, (64, 8, 4) with 0.90."""
+def _sparse_config(D: int) -> tuple[int, int, int, bool, int | None]:
+    """(BLOCK_N, num_warps, num_stages, PREFETCH, maxnreg) of the sparse kernel. H200 sweeps at 32K (prefill.md, runs
+    8-11), run 10 the first with the kernel's wgmma instructions not serialised by ptxas: Llama shapes (64, 8, 3) with
+    PREFETCH 2.73 ms (2.62 in run 11), (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's
+    choice, then 2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64), run 11:
+    (64, 8, 3) with PREFETCH and at most 128 registers a thread (two programs an SM) 0.63 ms, (64, 8, 4) so 0.65,
+    (64, 4, 4) with PREFETCH 0.73 (run 10's choice, 0.62 then, before the masks left the loop), (64, 8, 4) with
+    PREFETCH and no register bound 0.87."""
     if D <= 64:
-        return 64, 4, 4, True
+        return 64, 8, 3, True, 128
     if D <= 128:
-        return 64, 8, 3, True
+        return 64, 8, 3, True, None
     # D = 256 (16 query / 8 KV heads, 32K, run 10, before the masks left the loop): (32, 8, 3) 6.60 ms, (64, 8, 2)
     # 7.44, (32, 4, 2) 7.50 (ptxas spills 2.7 KB a thread and waits for each wgmma), (32, 8, 2) 8.46
-    return 32, 8, 3, False
+    return 32, 8, 3, False, None
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
@@ -568,12 +572,19 @@ def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
 TOPK_BOUND = True
 
 
-# Exponentials on the FMA pipes (_exp2_cols): in the scoring pass every SCORE_FMA_EXP-th group of 8 rows of a block,
-# in the QK-only LSE pass every LSE_FMA_EXP-th group of 8 keys (0: none, all on the SFU). Compiled for sm_90, per warp
-# and block: the scoring pass at D = 128, 64 MUFU.EX2 (512 SFU cycles) and 292 instructions with 0, 56 and 392 with
-# 8, 48 and 469 with 4; at D = 64 (the default model) the QK-only pass's 68 MUFU (544 cycles) against 368
-# instructions leave room too. Not yet timed: off until a sweep says otherwise (docs/benchmarks/prefill.md).
-SCORE_FMA_EXP = 0
+# Exponentials on the FMA pipes (_exp2_cols): in the scoring pass every n-th group of 8 rows of a block, in the
+# QK-only LSE pass every LSE_FMA_EXP-th group of 8 keys (0: none, all on the SFU). Compiled for sm_90, per warp and
+# block: the scoring pass at D = 128, 64 MUFU.EX2 (512 SFU cycles) and 292 instructions with 0, 56 and 392 with 8, 48
+# and 469 with 4; at D = 64 (the default model) the QK-only pass's 68 MUFU (544 cycles) against 368 instructions.
+# H200 sweep at 32K (run 11, prefill.md): the default model's scoring pass 3.62 ms with 8 against 4.12 with none
+# (4.50 with 4); at Llama's shapes 11.0 with none, 13.1 with 8, 14.6 with 4; the default model's LSE pass 2.04 with
+# none, 2.06 with 8.
+def score_fma_exp(D: int) -> int:
+    """The scoring pass's default ``fma_exp`` at head dim ``D``: 8 at D <= 64, else 0 (at D = 256 the pass uses
+    ``mma.sync``, whose layout does not fold the choice per register)."""
+    return 8 if D <= 64 else 0
+
+
 LSE_FMA_EXP = 0
 
 # Tiles a scoring program takes (1 or 2): with 2, each K block loaded serves both tiles' rows (256 rows at Llama's
@@ -606,7 +617,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
     ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (the scoring pass's blocks of a tile's rows, a power of
     two; default :func:`_score_rows`' blocks, which pad the fewest rows), ``fma_exp`` (every ``fma_exp``-th group of
-    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :data:`SCORE_FMA_EXP`),
+    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :func:`score_fma_exp`),
     ``tiles`` (tiles a program scores, 1 or 2; default :data:`SCORE_TILES`): the scoring pass's launch; other
     keywords go to the LSE pass (:func:`prefill_lse`; an
     assertion when ``lse`` is given).
@@ -644,7 +655,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
                block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
-               fma_exp=SCORE_FMA_EXP if fma_exp is None else fma_exp, tiles=tiles or SCORE_TILES,
+               fma_exp=score_fma_exp(D) if fma_exp is None else fma_exp, tiles=tiles or SCORE_TILES,
                topk_chunk=topk_chunk, scores_only=_scores_only)
     g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
@@ -792,8 +803,11 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
     f32, rne = flags(q)
     M, NRB = _tile_rows(G, T, block_m)
-    bn, nw, ns, ahead = _sparse_config(D)
+    bn, nw, ns, ahead, regs = _sparse_config(D)
+    if block_n or num_warps or num_stages:  # a launch of one's own: no register bound unless asked for
+        regs = None
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    maxnreg = maxnreg or regs
     ahead = ahead if prefetch is None else prefetch
     out = torch.empty_like(q) if out is None else out
     maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
