@@ -13,10 +13,10 @@ README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs" / "benchmarks"
 
 # Where the Speed table's rows come from (the sentence under the table says which run each prefill row is).
-DECODE = "decode_run10.json"
-PREFILL = {(1, 131072): "prefill_run10_128k.json", (1, 32768): "prefill_run9.json",
+DECODE = "decode_run11.json"
+PREFILL = {(1, 131072): "prefill_run11_128k.json", (1, 32768): "prefill_run11_32k_sweep.json",
            (4, 131072): "prefill_run9_b4.json", (4, 32768): "prefill_run9_b4.json"}
-SCRATCH = ("prefill_run10_128k.json", "prefill_run10_32k_sweep.json", "prefill_run9_b4.json")  # "measured ... MB"
+SCRATCH = ("prefill_run11_128k.json", "prefill_run11_32k_sweep.json", "prefill_run9_b4.json")  # "measured ... MB"
 SIZES = {"32K": 32768, "128K": 131072}
 
 
@@ -83,7 +83,7 @@ def test_speed_section_sentences():
     speed = README[README.index("## Speed"):]
     (smol_dec,) = _find(r"decode at B=8, 32K is\s+([\d.]+)x faster per model", speed)
     _shown(smol_dec, _decode(8, 32768, HQ=9)["model"])
-    p32, p128 = _find(r"prefill ([\d.]+)x at 32K and ([\d.]+)x at 128K", speed)
+    p32, p128 = _find(r"prefill ([\d.]+)x at 32K\s+and ([\d.]+)x at 128K", speed)
     _shown(p32, _prefill(1, 32768, "smollm2-135m")["model"])
     _shown(p128, _prefill(1, 131072, "smollm2-135m")["model"])
     lo, hi = _find(r"measured ([\d.]+)-([\d.]+) MB at B=1 and 4", speed)
