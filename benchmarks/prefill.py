@@ -141,20 +141,12 @@ def sweep(results, N=32768, device="cuda"):
             timed(f"dense bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.dense_prefill(q, k, v, scale=sc, **cfg))
         timed(f"lse-only bm{bm} bn{bn} w{nw} s{ns}", lambda: tp.prefill_lse(q, k, scale=sc, **cfg))
     lse = tp.prefill_lse(q, k, scale=sc)
-    # the scoring pass's launch (default (64, 4, 3)); fma: every n-th group of 8 rows' exponentials on the FMA pipes;
-    # t2: two tiles a program (256 rows: 230 registers and 115 KB of shared memory at 3 stages, 96 KB at 2)
-    for bn, nw, ns, fma, tl2 in ((64, 4, 3, 0, 1), (64, 4, 3, 8, 1), (64, 4, 3, 4, 1), (128, 8, 2, 0, 1),
-                                 (128, 8, 3, 0, 1), (128, 8, 3, 8, 1), (128, 4, 3, 0, 1), (64, 8, 3, 0, 1),
-                                 (64, 4, 2, 0, 1), (64, 4, 2, 0, 2), (64, 4, 3, 0, 2), (64, 8, 2, 0, 2),
-                                 (128, 8, 2, 0, 2), (64, 4, 2, 8, 2)):
-        timed(f"scores only bn{bn} w{nw} s{ns}{f' fma{fma}' if fma else ''}{' t2' if tl2 == 2 else ''}",
+    # the scoring pass's launch (default (64, 4, 3)); fma: every n-th group of 8 rows' exponentials on the FMA pipes
+    for bn, nw, ns, fma in ((64, 4, 3, 0), (64, 4, 3, 8), (64, 4, 3, 4), (128, 8, 2, 0), (128, 8, 3, 0), (128, 8, 3, 8),
+                            (128, 4, 3, 0), (64, 8, 3, 0), (64, 4, 2, 0)):
+        timed(f"scores only bn{bn} w{nw} s{ns}{f' fma{fma}' if fma else ''}",
               lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
-                                        num_stages=ns, fma_exp=fma, tiles=tl2, _scores_only=True))
-    # the radix top-k's keys per program (default 2048): fewer, longer programs for its fixed per-program chain
-    # (state, keys, atomics, ticket) in each of its six launches per chunk
-    for ch in (2048, 4096, 8192):
-        timed(f"select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                                             topk_chunk=ch))
+                                        num_stages=ns, fma_exp=fma, _scores_only=True))
     # smaller chunks of tiles (default: the 64 MB scratch bound, a ~60 MB score buffer at 32K): a buffer that stays in
     # the 50 MB L2 between the top-k's five reads of it, at the price of more, smaller launches
     for mb in (16, 32):
@@ -180,23 +172,17 @@ def sweep(results, N=32768, device="cuda"):
     sc = D**-0.5
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc)
     lse = tp.prefill_lse(q, k, scale=sc)
-    for ch in (2048, 8192):  # the radix top-k's keys per program (its share of the anchor is larger here)
-        timed(f"smollm2 select (given lse) topk chunk {ch}", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
-                                                                                     lse=lse, topk_chunk=ch))
     for mb in (16, 32):
         timed(f"smollm2 select (given lse) {mb} MB chunks", lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc,
                                                                                     lse=lse, max_chunk_bytes=mb << 20))
-    # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions);
-    # fma8: 60 MUFU (480 cycles) against 463 instructions
-    for fma in (0, 8):
-        timed(f"smollm2 lse-only{f' fma{fma}' if fma else ''}", lambda: tp.prefill_lse(q, k, scale=sc, fma_exp=fma))
+    # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions)
+    timed("smollm2 lse-only", lambda: tp.prefill_lse(q, k, scale=sc))
     # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
     # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
-    for rows, fma, tl2 in ((None, 0, 1), (128, 0, 1), (32, 0, 1), (None, 8, 1), (None, 4, 1), (None, 0, 2),
-                           (None, 8, 2)):
-        timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}{' t2' if tl2 == 2 else ''}",
+    for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4)):
+        timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}",
               lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma,
-                                        tiles=tl2, _scores_only=True))
+                                        _scores_only=True))
     # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4)).
     # m32: three programs of 32 rows per tile (no padding row, mma.sync instead of wgmma, each gathering the keys)
     for bn, nw, ns, pf, reg, bm in ((64, 4, 4, True, None, None), (64, 4, 3, False, None, None),

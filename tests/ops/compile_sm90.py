@@ -61,24 +61,20 @@ def variants():
         M0, bn, nw, ns = tp._dense_config(G, D, True)
         BQ, Mr = tp._rows(G, M0)
         yield (f"prefill dense D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False, POLY=0),
-               nw, ns)
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
         M0, bn, nw, ns = tp._dense_config(G, D, False)
         BQ, Mr = tp._rows(G, M0)
-        for poly in (tp.LSE_FMA_EXP, 8):  # 8: the sweep's FMA exponentials
-            yield (f"prefill lse D{D}" + (f" fma{poly}" if poly else ""), tp._dense_kernel,
-                   dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
-                        POLY=poly), nw, ns)
-        # G = 6: two blocks, 128 + 64 rows, with the first reloaded; fma8: the sweep's FMA exponentials; tiles2: two
-        # tiles a program (the sweep's)
-        for Gs, poly, tiles in ((G, tp.score_fma_exp(D), tp.SCORE_TILES), (G, 8 - tp.score_fma_exp(D), tp.SCORE_TILES), (G, 0, 2),
-                                *(((6, tp.score_fma_exp(D), tp.SCORE_TILES),) if D == 128 else ())):
-            M, NSUB, MR = tp._score_rows(Gs, T, None, tiles)
+        yield (f"prefill lse D{D}", tp._dense_kernel,
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+        # G = 6: two blocks, 128 + 64 rows, with the first reloaded; each D also with the fma_exp (8 or 0) that is not
+        # its default (the sweep's)
+        for Gs, poly in ((G, tp.score_fma_exp(D)), (G, 8 - tp.score_fma_exp(D)),
+                         *(((6, tp.score_fma_exp(D)),) if D == 128 else ())):
+            M, NSUB, MR = tp._score_rows(Gs, T)
             bn, nw, ns = tp._score_config(D, NSUB)
-            yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else "")
-                   + (f" tiles{tiles}" if tiles > 1 else ""),
+            yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else ""),
                    tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
-                                          NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly, TL=tiles), nw, ns)
+                                          NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly), nw, ns)
         M, NRB = tp._tile_rows(G, T)
         bn, nw, ns, ahead, _ = tp._sparse_config(D)
         yield (f"prefill sparse D{D}", tp._sparse_kernel,

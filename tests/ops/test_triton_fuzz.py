@@ -237,8 +237,8 @@ def draw(index: int) -> Case:
         options = _options(rng, op)
         if op == "select_prefill":  # both top-k methods, alternating (drawn apart from rng: the other cases stay)
             options["method"] = ("topk", "radix")[(index // len(OPS)) % 2]
-            # the scoring pass's options in turn: plain, part of the exponentials on the FMA pipes, two tiles a program
-            options["scoring"] = ("plain", "fma", "tiles2")[(index // (2 * len(OPS))) % 3]
+            # the scoring pass's options in turn: plain, part of the exponentials on the FMA pipes
+            options["scoring"] = ("plain", "fma")[(index // (2 * len(OPS))) % 2]
         options = tuple(options.items())
         case = Case(index, op, B, H, G, D, dtype, N, L, q_offset, kv_start, budget, options)
         if _selects(case):
@@ -502,11 +502,10 @@ def run_dense_prefill(c: Case, x: Inputs) -> None:
 def run_select_prefill(c: Case, x: Inputs) -> None:
     o = c.opts
     kw = dict(_chunk_bytes(c), **({"block_n": o["block_n"]} if o["block_n"] else {}))
-    fma = 2 if o["scoring"] == "fma" else 0  # every other group of 8 rows (keys in the LSE pass) on the FMA pipes
-    kw.update(fma_exp=fma, tiles=2 if o["scoring"] == "tiles2" else 1)
+    kw["fma_exp"] = 2 if o["scoring"] == "fma" else 0  # every other group of 8 rows on the FMA pipes
     with poisoned_allocations():
         if o["lse"] == "given":
-            kw["lse"] = tp.prefill_lse(x.qd, x.kd, fma_exp=fma, **x.pos)
+            kw["lse"] = tp.prefill_lse(x.qd, x.kd, **x.pos)
         sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, depth=o["depth"], method=o["method"],
                                 index_dtype=torch.int32 if o["int32"] else None, **x.pos, **kw)
     _prefill_selection(c, x, sel, o["depth"], o["int32"],
@@ -582,7 +581,7 @@ def test_the_cases_cover_every_variant():
     assert seen["B"] == {1, 2, 3} and seen["H"] == {1, 2, 3}
     assert seen["prefill call"] == {"chunked", "whole"} and seen["padding"] == {"none", "before", "covers"}
     assert seen["decode tail"] == {True, False}
-    assert seen[("select_prefill", "scoring")] == {"plain", "fma", "tiles2"}
+    assert seen[("select_prefill", "scoring")] == {"plain", "fma"}
     assert seen[("select_prefill", "method")] == {"topk", "radix"}
     assert SCALE > 1 or set(KNOWN_FAILURES) <= {c.id for c in CASES}, "a known failure is no longer drawn"
     rng = random.Random(0)

@@ -63,9 +63,9 @@ def _exp2_fma(x):
 def _exp2_cols(x, POLY: tl.constexpr):
     """``2**x`` of a ``[R, C]`` MMA-layout tile: every POLY-th group of 8 columns on the FMA pipes
     (:func:`_exp2_fma`), the others on the SFU (0: all on the SFU, whose 16 exponentials per SM and cycle bound the
-    QK-only passes at D = 64 and the scoring pass). A thread of the wgmma accumulator layout holds whole groups of 8
-    columns, so the choice folds per register at compile time; ``mma.sync``'s layout (the D = 256 scoring pass)
-    does not fold it: both are computed, then selected."""
+    scoring pass). A thread of the wgmma accumulator layout holds whole groups of 8 columns, so the choice folds per
+    register at compile time; ``mma.sync``'s layout (the D = 256 scoring pass) does not fold it: both are computed,
+    then selected."""
     if POLY > 0:
         cols = tl.arange(0, x.shape[1])
         return tl.where(((cols // 8) % POLY == 0)[None, :], _exp2_fma(x), tl.exp2(x))
@@ -75,12 +75,12 @@ def _exp2_cols(x, POLY: tl.constexpr):
 
 @triton.jit
 def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
-                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False, POLY: tl.constexpr = 0):
+                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False):
     """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``. GUARD: some row may have seen no
     key yet (all -inf), so keep exp2 finite. ``ok``: a boolean ``[M, BN]`` (or broadcastable) mask, ignored with
     ALL_VALID (every key valid): the scale then goes into the exponential's fused multiply-add and the row maximum
     is taken before it (exact: scaling by a positive number keeps the order), a multiply, compare and select per
-    score fewer. POLY: part of the exponentials on the FMA pipes (:func:`_exp2_cols`)."""
+    score fewer."""
     s = dot(q, tl.trans(kt), F32)  # [M, BN]
     if ALL_VALID:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
@@ -93,9 +93,9 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     if ALL_VALID:
-        p = _exp2_cols(s * qk_scale - m_use[:, None], POLY)
+        p = tl.exp2(s * qk_scale - m_use[:, None])
     else:
-        p = _exp2_cols(s - m_use[:, None], POLY)
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_V:
         pv = to_out(p, vt.dtype, RNE)
@@ -112,10 +112,9 @@ def _dense_kernel(
     stride_ob, stride_oh, stride_ol,
     L, q_offset, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, POLY: tl.constexpr,
+    HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
 ):
-    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major). POLY: every POLY-th
-    group of 8 keys of a block takes its exponentials on the FMA pipes (:func:`_exp2_cols`)."""
+    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major)."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # longest blocks first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -153,8 +152,7 @@ def _dense_kernel(
             v_ptr += BLOCK_N * stride_vn
         else:
             vt = kt
-        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True,
-                                     POLY)
+        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True)
         k_ptr += BLOCK_N * stride_kn
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
@@ -167,7 +165,7 @@ def _dense_kernel(
         else:
             vt = kt
         ok = (kpos[None, :] <= slot[:, None]) & km[None, :]
-        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True, False, POLY)
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True, False)
 
     has = l_i > 0
     if HAS_V:
@@ -183,13 +181,12 @@ def _dense_kernel(
 
 @triton.jit
 def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ: tl.constexpr,
-            G: tl.constexpr, T: tl.constexpr, TL: tl.constexpr):
-    """Rows ``f`` (of the G*T rows of each of TL tiles from tile ``t``, query-major: the next tile's rows continue
-    the numbering) : their queries ``[len(f), D]`` (zeros beyond the tiles or the call) and log2-domain LSE (+inf
-    there, so that they pool nothing)."""
+            G: tl.constexpr, T: tl.constexpr):
+    """Rows ``f`` (of the tile's G*T, query-major) of tile ``t``: their queries ``[len(f), D]`` (zeros beyond the
+    tile or the call) and log2-domain LSE (+inf there, so that they pool nothing)."""
     qi = f // G
     i = start + t * T + qi - q_offset
-    row_ok = (f < TL * G * T) & (i >= 0) & (i < L)
+    row_ok = (f < G * T) & (i >= 0) & (i < L)
     hq = (h * G + f % G).to(tl.int64)
     q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -198,47 +195,32 @@ def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql
 
 
 @triton.jit
-def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr, POLY: tl.constexpr, ROW0: tl.constexpr, GT: tl.constexpr,
-          TL: tl.constexpr):
-    """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``, per tile: ``([BN],
-    [BN])`` for the rows of the first tile and of the second (TL = 2; rows ``ROW0 + i``, a tile's rows ``GT``; a
-    block within one tile adds a scalar 0 to the other). Scores transposed, [BN keys, rows], so that pooling over
-    rows is the cheap in-thread / in-warp reduction of the MMA layout rather than one across warps (a thread holds
-    whole groups of 8 rows, so splitting them by tile folds per register). POLY: every POLY-th group of 8 rows takes
-    its exponentials on the FMA pipes (:func:`_exp2_cols`)."""
+def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr, POLY: tl.constexpr):
+    """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``: ``[BN]``. Scores
+    transposed, [BN keys, rows], so that pooling over rows is the cheap in-thread / in-warp reduction of the MMA
+    layout rather than one across warps. POLY: every POLY-th group of 8 rows takes its exponentials on the FMA
+    pipes (:func:`_exp2_cols`)."""
     s = dot(kt, tl.trans(q), F32) * qk_scale
-    p = _exp2_cols(s - lse2[None, :], POLY)
-    if TL == 1 or ROW0 + q.shape[0] <= GT:
-        return tl.sum(p, 1), 0.0
-    elif ROW0 >= GT:
-        return 0.0, tl.sum(p, 1)
-    else:
-        first = (ROW0 + tl.arange(0, q.shape[0])) < GT
-        return tl.sum(tl.where(first[None, :], p, 0.0), 1), tl.sum(tl.where(first[None, :], 0.0, p), 1)
+    return tl.sum(_exp2_cols(s - lse2[None, :], POLY), 1)
 
 
 @triton.jit
 def _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L,
                q_offset, qk_scale, HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, M: tl.constexpr,
-               NSUB: tl.constexpr, MR: tl.constexpr, F32: tl.constexpr, POLY: tl.constexpr, TL: tl.constexpr):
-    """Pooled probabilities of keys ``kt [BN, D]`` over all the rows of the TL tiles, per tile (:func:`_pool`):
-    the held block ``q`` (NSUB = 1) or NSUB blocks reloaded, plus the remainder block ``q_r`` (MR > 0)."""
+               NSUB: tl.constexpr, MR: tl.constexpr, F32: tl.constexpr, POLY: tl.constexpr):
+    """Pooled probabilities of keys ``kt [BN, D]`` over all the tile's rows: the held block ``q`` (NSUB = 1) or
+    NSUB blocks reloaded, plus the remainder block ``q_r`` (MR > 0)."""
     if NSUB == 1:
-        p0, p1 = _pool(kt, q, lse2, qk_scale, F32, POLY, 0, G * T, TL)
+        pooled = _pool(kt, q, lse2, qk_scale, F32, POLY)
     else:  # several blocks of M rows: reloaded for every key block (pipelining would hold each in every stage)
-        p0 = tl.zeros([kt.shape[0]], tl.float32)
-        p1 = tl.zeros([kt.shape[0]], tl.float32)
+        pooled = tl.zeros([kt.shape[0]], tl.float32)
         for sb in tl.static_range(NSUB):
             qs, ls = _tile_q(Q, Lse, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh, stride_ql, L,
-                             q_offset, HQ, G, T, TL)
-            a0, a1 = _pool(kt, qs, ls, qk_scale, F32, POLY, sb * M, G * T, TL)
-            p0 += a0
-            p1 += a1
+                             q_offset, HQ, G, T)
+            pooled += _pool(kt, qs, ls, qk_scale, F32, POLY)
     if MR > 0:
-        a0, a1 = _pool(kt, q_r, lse2_r, qk_scale, F32, POLY, NSUB * M, G * T, TL)
-        p0 += a0
-        p1 += a1
-    return p0, p1
+        pooled += _pool(kt, q_r, lse2_r, qk_scale, F32, POLY)
+    return pooled
 
 
 @triton.jit
@@ -250,26 +232,19 @@ def _score_kernel(
     L, q_offset, r0, C, W, keys_per_split, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
     MR: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
-    POLY: tl.constexpr, TL: tl.constexpr,
+    POLY: tl.constexpr,
 ):
-    """One program = (key split, TL consecutive tiles of the chunk's C, KV head, sequence). Writes ``Buf[b, h, c,
-    j]`` = pooled probability of key position j (relative) for j < s = tile c's start, -inf for s <= j < W. The
-    TL tiles' rows, query-major (TL * G * T): NSUB blocks of M, then one of MR (none if 0; :func:`_score_rows`);
-    with TL = 2 each K block loaded feeds both tiles' rows (half the K traffic per MMA), and the second tile's 32
-    extra keys (the first tile's own) are scored after the shared ones. ZERO_HIST: the first split zeroes the
-    top-k's histograms of its buffer rows (``Hist [B * H * C, NHIST]``, rows in buffer order), a memset launch less
-    per chunk."""
+    """One program = (key split, tile c of the chunk's C, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
+    probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. The tile's G*T rows:
+    NSUB blocks of M, then one of MR (none if 0; :func:`_score_rows`). ZERO_HIST: the first split zeroes the top-k's
+    histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a memset launch less per
+    chunk."""
     split = tl.program_id(0)
-    c = tl.program_id(1) * TL
+    c = tl.program_id(1)
     hb = tl.program_id(2)
-    has1 = (TL == 2) & (c + 1 < C)  # the second tile is in the chunk
     if ZERO_HIST:
         if split == 0:
-            hrow = Hist + (hb * C + c).to(tl.int64) * NHIST
-            topk.zero_hist(hrow)
-            if TL == 2:
-                if has1:
-                    topk.zero_hist(hrow + NHIST)
+            topk.zero_hist(Hist + (hb * C + c).to(tl.int64) * NHIST)
     H = HQ // G
     h = hb % H
     b = hb // H
@@ -278,11 +253,9 @@ def _score_kernel(
     t = tl.load(RowStart + b).to(tl.int32) + r0 + c
     n_b = q_offset + L - start
     s_len = tl.where(t * T < n_b, t * T, 0)  # keys before the tile (0: no such tile in this sequence)
-    s_len1 = tl.where(has1 & ((t + 1) * T < n_b), (t + 1) * T, 0)  # the second tile's (0: none)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, W)
     hi_s = tl.minimum(hi, s_len)
-    hi_s1 = tl.minimum(hi, s_len1)
 
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -291,42 +264,32 @@ def _score_kernel(
     f0 = tl.arange(0, M)
     q, lse2, q_r, lse2_r = 0, 0, 0, 0  # (placeholders for the blocks that are reloaded or absent)
     if NSUB == 1:  # one block of M rows (and the remainder's): held for the whole loop
-        q, lse2 = _tile_q(Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ, G, T,
-                          TL)
+        q, lse2 = _tile_q(Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ, G, T)
     if MR > 0:
         q_r, lse2_r = _tile_q(Q, Lse, b64, h, start, t, NSUB * M + tl.arange(0, MR), offs_d, stride_qb, stride_qh,
-                              stride_ql, L, q_offset, HQ, G, T, TL)
-    # Whole blocks of keys that every tile's rows see, unmasked (each key's pooled value is its own: no mask enters
-    # the sums), then the partial block and the second tile's extra keys, masked.
+                              stride_ql, L, q_offset, HQ, G, T)
+    # Whole blocks of candidate keys unmasked (every key's pooled value is its own: no mask enters the sums), then
+    # the partial block (at most one), masked.
     n_whole = tl.maximum(hi_s - lo, 0) // BLOCK_N
     k_ptr = k_base + (start + lo + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     for j in range(0, n_whole):
         kt = tl.load(k_ptr)
-        p0, p1 = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
-                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY, TL)
+        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
+                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
         kpos = lo + j * BLOCK_N + offs_n
-        tl.store(buf + kpos, p0)
-        if TL == 2:  # (none where the second tile is past its sequence: its -inf fill below must be the only store)
-            tl.store(buf + stride_bc + kpos, p1, mask=kpos < hi_s1)
+        tl.store(buf + kpos, pooled)
         k_ptr += BLOCK_N * stride_kn
-    hi_k = tl.maximum(hi_s, hi_s1)
-    for j0 in range(lo + n_whole * BLOCK_N, hi_k, BLOCK_N):
+    for j0 in range(lo + n_whole * BLOCK_N, hi_s, BLOCK_N):
         kpos = j0 + offs_n
+        km = kpos < hi_s
         kt = tl.load(k_base + (start + kpos).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                     mask=(kpos < hi_k)[:, None], other=0.0)
-        p0, p1 = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
-                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY, TL)
-        tl.store(buf + kpos, p0, mask=kpos < hi_s)
-        if TL == 2:
-            tl.store(buf + stride_bc + kpos, p1, mask=kpos < hi_s1)
+                     mask=km[:, None], other=0.0)
+        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
+                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
+        tl.store(buf + kpos, pooled, mask=km)
     for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
         kpos = j0 + offs_n
         tl.store(buf + kpos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=kpos < hi)
-    if TL == 2:
-        if has1:
-            for j0 in range(tl.maximum(lo, s_len1), hi, BLOCK_N):
-                kpos = j0 + offs_n
-                tl.store(buf + stride_bc + kpos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=kpos < hi)
 
 
 @triton.jit
@@ -498,16 +461,15 @@ def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, re
     return (out, lse) if return_lse else out
 
 
-def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, fma_exp=None, **cfg) -> torch.Tensor:
-    """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass). ``fma_exp``:
-    every ``fma_exp``-th group of 8 keys of a block takes its exponentials on the FMA pipes (:func:`_exp2_cols`; 0:
-    none; default :data:`LSE_FMA_EXP`); other keywords: the launch (block_m, block_n, num_warps, num_stages)."""
+def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) -> torch.Tensor:
+    """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass). Other
+    keywords: the launch (block_m, block_n, num_warps, num_stages)."""
     return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=False,
-                      write_lse=True, fma_exp=LSE_FMA_EXP if fma_exp is None else fma_exp, **cfg)[1]
+                      write_lse=True, **cfg)[1]
 
 
 def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v, write_lse, out=None, block_m=None,
-               block_n=None, num_warps=None, num_stages=None, fma_exp=0, geometry=None):
+               block_n=None, num_warps=None, num_stages=None, geometry=None):
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
@@ -526,7 +488,7 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
         L, q_offset, scale * LOG2E,
-        G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne, POLY=fma_exp,
+        G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
         num_warps=num_warps or nw, num_stages=num_stages or ns,
     )
     return (out if has_v else None), (lse if write_lse else None)
@@ -538,18 +500,17 @@ def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
     return M, triton.cdiv(G * T, M)
 
 
-def _score_rows(G: int, T: int, M: int | None = None, tiles: int = 1) -> tuple[int, int, int]:
-    """The scoring pass's rows of a program's ``tiles`` tiles (1 or 2): ``(M, NSUB, MR)``, NSUB blocks of M rows
-    then one of MR (0: none), powers of two >= 16 covering the ``tiles * G * T`` rows with the least padding: 96 =
-    64 + 32 (the default model's, which one block of 128 padded by a quarter: a quarter of the pass's MMAs and
-    exponentials), 160 = 128 + 32, 192 = 128 + 64; blocks of up to 128 rows a tile (256 for two). ``M`` given:
-    blocks of M rows, the last one padded."""
-    n = tiles * G * T
+def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
+    """The scoring pass's rows of a tile: ``(M, NSUB, MR)``, NSUB blocks of M rows then one of MR (0: none), powers
+    of two >= 16 covering the tile's G*T rows with the least padding: 96 = 64 + 32 (the default model's, which one
+    block of 128 padded by a quarter: a quarter of the pass's MMAs and exponentials), 160 = 128 + 32, 192 = 128 + 64.
+    ``M`` given: blocks of M rows, the last one padded."""
+    n = G * T
     if M:
         return M, triton.cdiv(n, M), 0
     if n <= 16:
         return 16, 1, 0
-    M = min(128 * tiles, 1 << (n.bit_length() - 1))  # the largest power of two <= n, at most 128 a tile
+    M = min(128, 1 << (n.bit_length() - 1))  # the largest power of two <= n, at most 128
     NSUB, rem = divmod(n, M)
     MR = max(16, triton.next_power_of_2(rem)) if rem else 0
     if MR == M:  # e.g. 224 = 128 + 96: a second block of M rows
@@ -572,26 +533,16 @@ def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
 TOPK_BOUND = True
 
 
-# Exponentials on the FMA pipes (_exp2_cols): in the scoring pass every n-th group of 8 rows of a block, in the
-# QK-only LSE pass every LSE_FMA_EXP-th group of 8 keys (0: none, all on the SFU). Compiled for sm_90, per warp and
-# block: the scoring pass at D = 128, 64 MUFU.EX2 (512 SFU cycles) and 292 instructions with 0, 56 and 392 with 8, 48
-# and 469 with 4; at D = 64 (the default model) the QK-only pass's 68 MUFU (544 cycles) against 368 instructions.
-# H200 sweep at 32K (run 11, prefill.md): the default model's scoring pass 3.62 ms with 8 against 4.12 with none
-# (4.50 with 4); at Llama's shapes 11.0 with none, 13.1 with 8, 14.6 with 4; the default model's LSE pass 2.04 with
-# none, 2.06 with 8.
+# Exponentials on the FMA pipes (_exp2_cols) in the scoring pass: every n-th group of 8 rows of a block (0: none, all
+# on the SFU). Compiled for sm_90, per warp and block, at D = 128: 64 MUFU.EX2 (512 SFU cycles) and 292 instructions
+# with 0, 56 and 392 with 8, 48 and 469 with 4. H200 sweep at 32K (run 11, prefill.md): the default model's scoring
+# pass 3.62 ms with 8 against 4.12 with none (4.50 with 4); at Llama's shapes 11.0 with none, 13.1 with 8, 14.6 with
+# 4. The QK-only LSE pass keeps all its exponentials on the SFU: at the default model's shapes (D = 64: 68 MUFU, 544
+# cycles, against 368 instructions) 2.04 ms, against 2.06 with every 8th group on the FMA pipes.
 def score_fma_exp(D: int) -> int:
     """The scoring pass's default ``fma_exp`` at head dim ``D``: 8 at D <= 64, else 0 (at D = 256 the pass uses
     ``mma.sync``, whose layout does not fold the choice per register)."""
     return 8 if D <= 64 else 0
-
-
-LSE_FMA_EXP = 0
-
-# Tiles a scoring program takes (1 or 2): with 2, each K block loaded serves both tiles' rows (256 rows at Llama's
-# shapes: half the K traffic from L2 per MMA; by our count of the bytes each program loads, run 10's dense pass,
-# which reads K and V for 128 rows, moved 4.2 TB/s from L2 at 32K, the scoring pass 3.0). Not yet timed: 1 until a
-# sweep says otherwise.
-SCORE_TILES = 1
 
 
 # The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
@@ -603,8 +554,8 @@ ALLOCATOR_RESERVE = 3 / 64
 
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                    lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, tile_rows=None, fma_exp=None, tiles=None, method="radix", topk_chunk=None,
-                   _scores_only=False, **lse_cfg) -> Selection:
+                   num_stages=None, tile_rows=None, fma_exp=None, method="radix", _scores_only=False,
+                   **lse_cfg) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -617,15 +568,13 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
     ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (the scoring pass's blocks of a tile's rows, a power of
     two; default :func:`_score_rows`' blocks, which pad the fewest rows), ``fma_exp`` (every ``fma_exp``-th group of
-    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :func:`score_fma_exp`),
-    ``tiles`` (tiles a program scores, 1 or 2; default :data:`SCORE_TILES`): the scoring pass's launch; other
-    keywords go to the LSE pass (:func:`prefill_lse`; an
-    assertion when ``lse`` is given).
+    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :func:`score_fma_exp`): the
+    scoring pass's launch; other keywords go to the LSE pass (:func:`prefill_lse`; an assertion when ``lse`` is
+    given).
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
-    docs/benchmarks/prefill.md) or "topk" (``torch.topk``); ``topk_chunk``: keys per program of the radix passes
-    (default and least :data:`kascade.ops.triton.topk.SELECT_CHUNK`, which the scratch bound's accounting assumes).
+    docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
 
     Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 3/64 of it kept for the caching
     allocator (:data:`ALLOCATOR_RESERVE`). When the LSE is not given it is made for a group of sequences
@@ -655,8 +604,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
                block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
-               fma_exp=score_fma_exp(D) if fma_exp is None else fma_exp, tiles=tiles or SCORE_TILES,
-               topk_chunk=topk_chunk, scores_only=_scores_only)
+               fma_exp=score_fma_exp(D) if fma_exp is None else fma_exp, scores_only=_scores_only)
     g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
@@ -678,8 +626,7 @@ def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
 
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, fma_exp, tiles,
-                  topk_chunk, scores_only):
+                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, fma_exp, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
     per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
@@ -696,9 +643,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     fixed += 16 * B * H * R if direct else 0
     chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
     f32, _ = flags(q)
-    assert tiles in (1, 2), tiles
-    assert topk_chunk is None or (topk_chunk >= topk.SELECT_CHUNK and topk_chunk & (topk_chunk - 1) == 0), topk_chunk
-    M, NSUB, MR = _score_rows(G, T, tile_rows, tiles)
+    M, NSUB, MR = _score_rows(G, T, tile_rows)
     bn, nw, ns = _score_config(D, NSUB)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     sms = num_sms(dev)
@@ -754,23 +699,21 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
         if kc > 0:
             buf = torch.empty(B, H, C, W, dtype=torch.float32, device=dev)
             hist = torch.empty(B * H * C, topk.NHIST, dtype=torch.int32, device=dev) if direct else buf
-            progs = B * H * triton.cdiv(C, tiles)  # before the key splits
-            per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, progs))))
+            per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, B * H * C))))
             per = triton.cdiv(per, bn) * bn
-            _score_kernel[(triton.cdiv(W, per), triton.cdiv(C, tiles), B * H)](
+            _score_kernel[(triton.cdiv(W, per), C, B * H)](
                 q, k, lse, ks, rs, buf, hist,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, C, W, per, scale * LOG2E,
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, POLY=fma_exp, TL=tiles, num_warps=nw, num_stages=ns,
+                ZERO_HIST=direct, POLY=fma_exp, num_warps=nw, num_stages=ns,
             )
             if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
                 pass
             elif direct:
                 topk.rows_into(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], hist, kc,
-                               indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass,
-                               chunk=topk_chunk and min(topk_chunk, triton.next_power_of_2(W)))
+                               indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass)
                 del hist
             else:
                 top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
