@@ -289,8 +289,8 @@ def main():
                     help="folder for prefill.json and prefill_table.md (default: docs/benchmarks/)")
     ap.add_argument("--ns", default="8192,32768,65536,131072", help="comma list of sequence lengths N")
     ap.add_argument("--no-sweep", action="store_true",
-                    help="skip the launch-configuration and option sweep at N = 32K (run 10's 41 entries and the 32K "
-                         "rows took 97 s on the H200; it has ~70 entries now)")
+                    help="skip the launch-configuration and option sweep at N = 32K (run 11's 68 entries and the 32K "
+                         "rows took 237 s on the H200; it has 55 entries now)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes minutes)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
     args = ap.parse_args()

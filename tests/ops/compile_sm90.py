@@ -41,7 +41,7 @@ DIVISIBLE = ("keys_per_split", "sc_row")
 
 
 def variants():
-    """(name, kernel, constexprs, num_warps, num_stages, types) as the launchers make them (Llama shapes: G = 4,
+    """(name, kernel, constexprs, num_warps, num_stages[, options]) as the launchers make them (Llama shapes: G = 4,
     D = 128; the default model's: G = 3, D = 64; Gemma's head size: G = 2, D = 256)."""
     for D, G in ((128, 4), (64, 3), (256, 2)):
         base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
@@ -76,10 +76,10 @@ def variants():
                    tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
                                           NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly), nw, ns)
         M, NRB = tp._tile_rows(G, T)
-        bn, nw, ns, ahead, _ = tp._sparse_config(D)
+        bn, nw, ns, ahead, regs = tp._sparse_config(D)  # regs: the launch's register bound (maxnreg), if any
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
                dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
-                    PREFETCH=ahead), nw, ns)
+                    PREFETCH=ahead), nw, ns, *([{"maxnreg": regs}] if regs else []))
     ch = topk.SELECT_CHUNK
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
     yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3
@@ -140,14 +140,14 @@ def main():
                     help="also report registers and spills (cuobjdump); with the GPU machine's Triton on the path "
                          "(pip install triton==3.6.0 --target DIR; PYTHONPATH=DIR:src) they are the GPU's")
     args = ap.parse_args()
-    for name, fn, consts, nw, ns in variants():
+    for name, fn, consts, nw, ns, *extra in variants():  # extra: further compile options of the launch
         if args.only and not any(o in name for o in args.only):
             continue
         sig, attrs = signature(fn, consts, name)
         row = {"kernel": name}
         try:
             k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
-                               options={"num_warps": nw, "num_stages": ns})
+                               options={"num_warps": nw, "num_stages": ns, **(extra[0] if extra else {})})
             row.update(ok=True, shared=k.metadata.shared, num_warps=nw, num_stages=ns,
                        serialised=serialised(k.asm["ptx"]))
             if args.resources:

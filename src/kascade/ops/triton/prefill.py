@@ -433,7 +433,8 @@ def _sparse_config(D: int) -> tuple[int, int, int, bool, int | None]:
     8-11), run 10 the first with the kernel's wgmma instructions not serialised by ptxas: Llama shapes (64, 8, 3) with
     PREFETCH 2.73 ms (2.62 in run 11), (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's
     choice, then 2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64), run 11:
-    (64, 8, 3) with PREFETCH and at most 128 registers a thread (two programs an SM) 0.63 ms, (64, 8, 4) so 0.65,
+    (64, 8, 3) with PREFETCH and at most 128 registers a thread (two programs an SM; compiled with Triton 3.6.0 it
+    keeps 8 bytes a thread on the stack) 0.63 ms, (64, 8, 4) so 0.65,
     (64, 4, 4) with PREFETCH 0.73 (run 10's choice, 0.62 then, before the masks left the loop), (64, 8, 4) with
     PREFETCH and no register bound 0.87."""
     if D <= 64:
