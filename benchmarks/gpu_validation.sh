@@ -25,7 +25,7 @@
 #                       sweep, no FlexAttention:
 #                       the per-layer table, torch.topk and the radix top-k side by side
 #   sweep-prefill       benchmarks/prefill.py --ns 32768 --no-flex: the launch / option sweep (prefill.json's
-#                       "sweep_32k", printed), then the 32K rows (run 11's 68 entries and the rows: 237 s; 55 entries now)
+#                       "sweep_32k", printed), then the 32K rows (run 11's 68 entries and the rows: 237 s; 56 entries now)
 #   bench-decode        benchmarks/decode.py --no-tune (DECODE_ARGS, e.g. --only llama-3.1-8b:1:131072,...)
 #   bench-jax           benchmarks/jax_bench.py: op-at-a-time and planned (kascade.jax.Attention) JAX paths
 # Each step prints one line into OUT/summary.txt (and the call's output); the logs of every step so far are packed

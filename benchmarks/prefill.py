@@ -178,8 +178,10 @@ def sweep(results, N=32768, device="cuda"):
     # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions)
     timed("smollm2 lse-only", lambda: tp.prefill_lse(q, k, scale=sc))
     # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
-    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block
-    for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4)):
+    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block;
+    # fma: every n-th group of 8 rows' exponentials on the FMA pipes (8 the default since run 11; run 11 timed the
+    # padded block 3% faster than 64 + 32 without them, and did not time it with them)
+    for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4), (128, 8)):
         timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}",
               lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma,
                                         _scores_only=True))
@@ -290,7 +292,7 @@ def main():
     ap.add_argument("--ns", default="8192,32768,65536,131072", help="comma list of sequence lengths N")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the launch-configuration and option sweep at N = 32K (run 11's 68 entries and the 32K "
-                         "rows took 237 s on the H200; it has 55 entries now)")
+                         "rows took 237 s on the H200; it has 56 entries now)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes minutes)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
     args = ap.parse_args()

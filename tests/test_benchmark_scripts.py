@@ -55,4 +55,4 @@ def test_prefill_sweep_entries_all_run(monkeypatch):
     prefill.sweep(results, N=96, device=str(DEVICE))
     failed = [name for name, t in results["sweep_32k"].items() if math.isnan(t)]
     assert not failed
-    assert len(ran) == len(results["sweep_32k"]) >= 55
+    assert len(ran) == len(results["sweep_32k"]) >= 56
