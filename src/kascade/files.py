@@ -1,4 +1,5 @@
-"""The output folder of a command: checked before any work, held by one run at a time."""
+"""The output folder of a command: checked before any work, held by one run at a time, and not left behind by a run
+that made it and then refused (:func:`output_folder`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ def check_out(out: str | Path) -> Path:
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write the results there ({e.strerror or e})") from None
     return out
+
+
+@contextlib.contextmanager
+def output_folder(out: str | Path, command: str):
+    """:func:`check_out` then :func:`hold`: the commands' output folder for one run. A run that fails before writing
+    anything into a folder it made (bad input refused after the folder was checked, a model that does not load)
+    removes the folders it made, so that a refusal leaves no trace; a folder that existed before is left as it was."""
+    out = Path(out).expanduser()
+    made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost folder to make
+    out = check_out(out)
+    try:
+        with hold(out, command) as held:
+            yield held
+    except BaseException:
+        if made is not None and {p.name for p in out.iterdir()} <= {LOCK}:
+            (out / LOCK).unlink(missing_ok=True)
+            for p in [out, *out.parents]:  # up to the first folder this run made
+                p.rmdir()
+                if p == made:
+                    break
+        raise
 
 
 @contextlib.contextmanager

@@ -261,3 +261,13 @@ def test_without_matplotlib_no_earlier_pictures_stay_beside_the_new_plan(tmp_pat
     assert "note: no plots written (plots need matplotlib)" in capsys.readouterr().out
     assert len(KascadePlan.load(out / "plan.json").anchors) == 3
     assert sorted(p.name for p in out.iterdir()) == [".kascade.lock", "objective.csv", "plan.json", "stats.json"]
+
+
+def test_a_refused_run_leaves_no_folder_it_made(tmp_path, tiny, capsys):
+    """Refused after its --out was checked (a --data text shorter than the window): no empty folder left behind."""
+    data = tmp_path / "short.jsonl"
+    data.write_text('{"text": "too short"}\n' * 8)
+    out = tmp_path / "new" / "cal"
+    err = one_line_error("calibrate", [*TINY, *ANCHORS, "--data", str(data), "--out", str(out)], capsys)
+    assert f"{data}: text 1 has " in err and "lies within one text" in err, err
+    assert not (tmp_path / "new").exists()

@@ -252,3 +252,22 @@ def test_eval_data_windows_are_disjoint_from_the_calibration_windows(tmp_path, t
     # without --skip-texts the same windows would have overlapped the calibration's
     plain = [json.loads(x)["text"] for x in data.read_text().splitlines()]
     assert {source(w)[0] for w in runner.data_windows(tok, plain, [48], 3)[48]} & calibrated
+
+
+def test_a_refused_run_leaves_no_folder_it_made(tmp_path, tiny, capsys):
+    """A run refused after its --out was checked (here: too few texts) used to leave the folders it had made, empty
+    but for the lock; one that existed before stays, and so does one with earlier results."""
+    data = texts_file(tmp_path / "two.jsonl", 2)
+    argv = [*FAST, "--data", str(data), "--skip-texts", "2"]
+    out = tmp_path / "new" / "deeper" / "ev"
+    assert "--skip-texts 2 leaves none" in _error("eval", [*argv, "--out", str(out)], capsys)
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert "--skip-texts 2 leaves none" in _error("eval", [*argv, "--out", str(kept)], capsys)
+    assert kept.is_dir()
+    ok = tmp_path / "ok"
+    assert main(["eval", *FAST, "--data", str(data), "--samples", "2", "--out", str(ok)]) == 0
+    capsys.readouterr()
+    assert "--skip-texts 2 leaves none" in _error("eval", [*argv, "--out", str(ok)], capsys)
+    assert len(_rows(ok)) == 6  # earlier results stay

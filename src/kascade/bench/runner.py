@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..files import check_out, hold
+from ..files import output_folder
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
 from .memory import available_bytes, estimate_bytes, predict_seconds, skip_reason
@@ -39,12 +39,13 @@ def _free(device) -> None:
 
 def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None) -> dict:
     """Measure every (model, batch, length); write the outputs after each configuration; return the results. The
-    output folder is held for the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
+    output folder is held for the run (a second run into it meanwhile is refused), and removed if this run made it and
+    then failed before writing into it (:func:`kascade.files.output_folder`)."""
     for m in models:
         if m not in MODELS:
             raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     check_plan(models, plan, model_path)
-    with hold(check_out(out), "kascade bench") as out:
+    with output_folder(out, "kascade bench") as out:
         return _measure(models, settings, out, model_path, plan, argv)
 
 

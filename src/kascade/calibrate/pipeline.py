@@ -29,7 +29,7 @@ import torch
 
 from .. import text
 from ..fidelity import DenseReference
-from ..files import check_out, hold
+from ..files import output_folder
 from ..models import beyond_context, load_model
 from ..plots import pyplot
 from ..plan import KascadePlan, ModelFingerprint
@@ -263,8 +263,9 @@ def run(settings: Settings) -> dict:
 
     Everything that can be checked before the statistics is: the output folder and the data file first, then the
     model's shape and the token windows (from its config and tokenizer, before its weights are read). The output
-    folder is held for the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
-    with hold(check_out(settings.out), "kascade calibrate") as out:
+    folder is held for the run (a second run into it meanwhile is refused), and removed if this run made it and then
+    failed before writing into it (:func:`kascade.files.output_folder`)."""
+    with output_folder(settings.out, "kascade calibrate") as out:
         return _run(settings, out)
 
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .. import models, text
 from ..fidelity import DenseReference
-from ..files import check_out, hold
+from ..files import output_folder
 from ..integration.hf import enable
 from ..plan import KascadePlan, ModelFingerprint
 from ..text import load_texts
@@ -272,8 +272,9 @@ def data_windows(tok, texts: list[str], lengths, samples: int, *, skip: int = 0,
 
 def evaluate(settings: Settings, *, progress: bool = True) -> dict:
     """Run `kascade eval` (module docstring); ``{summary, markdown, files, rows}``. The output folder is held for
-    the run (:func:`kascade.files.hold`): a second run into it meanwhile is refused."""
-    with hold(check_out(settings.out), "kascade eval") as out:
+    the run (a second run into it meanwhile is refused), and removed if this run made it and then failed before
+    writing into it (:func:`kascade.files.output_folder`)."""
+    with output_folder(settings.out, "kascade eval") as out:
         return _evaluate(settings, out, progress)
 
 
