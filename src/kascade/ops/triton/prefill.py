@@ -434,9 +434,8 @@ def _sparse_config(D: int) -> tuple[int, int, int, bool, int | None]:
     PREFETCH 2.73 ms (2.62 in run 11), (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's
     choice, then 2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64), run 11:
     (64, 8, 3) with PREFETCH and at most 128 registers a thread (two programs an SM; compiled with Triton 3.6.0 it
-    keeps 8 bytes a thread on the stack) 0.63 ms, (64, 8, 4) so 0.65,
-    (64, 4, 4) with PREFETCH 0.73 (run 10's choice, 0.62 then, before the masks left the loop), (64, 8, 4) with
-    PREFETCH and no register bound 0.87."""
+    keeps 8 bytes a thread on the stack) 0.63 ms, (64, 8, 4) so 0.65, (64, 4, 4) with PREFETCH 0.73 (run 10's
+    choice, 0.62 then, before the masks left the loop), (64, 8, 4) with PREFETCH and no register bound 0.87."""
     if D <= 64:
         return 64, 8, 3, True, 128
     if D <= 128:
@@ -734,7 +733,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
     are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
     each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per thread that ptxas may use (more
-    programs per SM, at the risk of spills; benchmarks/prefill.py's sweep). ``-> [B, HQ, L, D]``."""
+    programs per SM, at the risk of spills; default: :func:`_sparse_config`'s, and none with a launch of one's own). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
