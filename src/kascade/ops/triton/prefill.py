@@ -733,7 +733,8 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
     are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
     each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per thread that ptxas may use (more
-    programs per SM, at the risk of spills; default: :func:`_sparse_config`'s, and none with a launch of one's own). ``-> [B, HQ, L, D]``."""
+    programs per SM, at the risk of spills; default: :func:`_sparse_config`'s, and none with a launch of one's
+    own). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
