@@ -40,6 +40,8 @@ from kascade.ops import dense_attention, select, sparse_attention
 from kascade.ops.triton import decode as td
 from kascade.ops.triton import topk
 
+from gather_floor import gather_times, graph_floor
+
 BUDGET = Budget(ratio=0.1, k_min=128)
 MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DT = torch.bfloat16
@@ -202,6 +204,8 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["dense"] = min(t["sdpa"], t["dense_ours"])
     t["reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
     t["reuse_int32"] = bench(lambda: td.sparse_decode(q, k, v, idx32, scale=scale, out=out, **rc))
+    floors = gather_times(k, v, idx64)  # the same rows read by a kernel that does nothing else (gather_floor.py)
+    t["gather_only"], t["stream_only"] = floors["gather_only"], floors["stream_only"]
     t["score_only"] = bench(lambda: td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                                   sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max,
                                                   **sc))
@@ -246,6 +250,9 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
         "times_us": t,
         "dense_TBps": kv_bytes / (t["dense"] * 1e-6) / 1e12,
         "reuse_gathered_TBps": gathered / (t["reuse"] * 1e-6) / 1e12,
+        "gather_only_TBps": gathered / (t["gather_only"] * 1e-6) / 1e12,
+        "stream_only_TBps": gathered / (t["stream_only"] * 1e-6) / 1e12,
+        "gather_cfg": floors["gather_cfg"], "stream_cfg": floors["stream_cfg"],
         "score_TBps": kv_bytes / 2 / (t["score_only"] * 1e-6) / 1e12,
         "reuse_x": t["reuse"] / t["dense"], "anchor_x": t["anchor"] / t["dense"], "layer0_x": t["layer0"] / t["dense"],
     }
@@ -373,6 +380,8 @@ def main():
     checks = check(dev, CHECKS[:1] if args.only else CHECKS[::2] if args.quick else CHECKS)
     log(f"checks passed in {time.time() - t0:.1f}s")
     header["copy_TBps"] = copy_bandwidth(dev)
+    header["graph_floor_us"] = graph_floor(dev)
+    log(f"replay of a graph of one empty kernel: {header['graph_floor_us']:.1f} us")
     log(f"device copy bandwidth (read + write): {header['copy_TBps']:.2f} TB/s")
 
     cfg = {"split": {}, "sparse": {}, "chunk": None}
@@ -411,6 +420,7 @@ def main():
             f"reuse {t['reuse']:.1f} anchor {t['anchor']:.1f} layer0 {t['layer0']:.1f} "
             f"select radix {t['select_radix']:.1f} topk {t['select_topk']:.1f} score {t['score_only']:.1f} "
             f"pool nohist/hist {t['pool_nohist']:.1f}/{t['pool_hist']:.1f} "
+            f"gather only {t['gather_only']:.1f} stream only {t['stream_only']:.1f} "
             f"-> model {r['model_speedup']:.2f}x")
         write()
         torch.cuda.empty_cache()

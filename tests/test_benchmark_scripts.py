@@ -56,3 +56,31 @@ def test_prefill_sweep_entries_all_run(monkeypatch):
     failed = [name for name, t in results["sweep_32k"].items() if math.isnan(t)]
     assert not failed
     assert len(ran) == len(results["sweep_32k"]) >= 56
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gather_floor_kernel_reads_the_selected_rows(monkeypatch, stream):
+    """benchmarks/gather_floor.py's kernel (decode.py's floor under the reuse layer) reads exactly the rows of each
+    index row (or, streaming, as many consecutive rows), every split of them once: its sums equal torch's."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import sys
+
+    import torch
+    from kernel_checks import DEVICE
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("gather_floor", None)
+    import gather_floor
+
+    g = torch.Generator().manual_seed(3)
+    B, H, N, D, K = 2, 3, 300, 64, 77
+    k = torch.randn(B, H, N, D, generator=g).to(DEVICE)
+    v = torch.randn(B, H, N, D, generator=g).to(DEVICE)
+    idx = torch.stack([torch.randperm(N, generator=g)[:K].sort().values for _ in range(B * H)]).view(B, H, 1, K)
+    idx = idx.to(torch.int32).to(DEVICE)
+    run, out = gather_floor.gather_launch(k, v, idx, block_n=32, num_warps=4, programs_per_sm=1, stream=stream, sms=18)
+    assert out.shape[2] > 1  # several splits
+    run()
+    rows = torch.arange(K, device=DEVICE).expand(B, H, K) if stream else idx[:, :, 0].long()
+    want = (k.gather(2, rows[..., None].expand(B, H, K, D)) + v.gather(2, rows[..., None].expand(B, H, K, D))).sum(2)
+    torch.testing.assert_close(out.sum(2).cpu(), want.float().cpu(), rtol=1e-5, atol=1e-4)
