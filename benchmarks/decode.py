@@ -204,7 +204,7 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["dense"] = min(t["sdpa"], t["dense_ours"])
     t["reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
     t["reuse_int32"] = bench(lambda: td.sparse_decode(q, k, v, idx32, scale=scale, out=out, **rc))
-    floors = gather_times(k, v, idx64)  # the same rows read by a kernel that does nothing else (gather_floor.py)
+    floors = gather_times(k, v, idx64, bench)  # the same rows read by a kernel that does nothing else (gather_floor.py)
     t["gather_only"], t["stream_only"] = floors["gather_only"], floors["stream_only"]
     t["score_only"] = bench(lambda: td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                                   sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max,
@@ -380,7 +380,7 @@ def main():
     checks = check(dev, CHECKS[:1] if args.only else CHECKS[::2] if args.quick else CHECKS)
     log(f"checks passed in {time.time() - t0:.1f}s")
     header["copy_TBps"] = copy_bandwidth(dev)
-    header["graph_floor_us"] = graph_floor(dev)
+    header["graph_floor_us"] = graph_floor(dev, bench)
     log(f"replay of a graph of one empty kernel: {header['graph_floor_us']:.1f} us")
     log(f"device copy bandwidth (read + write): {header['copy_TBps']:.2f} TB/s")
 

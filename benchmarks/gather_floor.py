@@ -22,7 +22,6 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
 
 @triton.jit
@@ -57,26 +56,10 @@ def _gather_kernel(K, V, Idx, Out, stride_kb, stride_kh, stride_kn, stride_ib, s
     tl.store(Out + ((b * H + h) * S + split) * D + offs_d, tl.sum(acc, 0))
 
 
-def _graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
-def _time(fn, rep=40) -> float:
-    return do_bench(_graphed(fn), warmup=10, rep=rep, return_mode="median") * 1e3  # us
-
-
-def graph_floor(dev) -> float:
-    """us: the replay of a graph of one empty kernel."""
+def graph_floor(dev, bench) -> float:
+    """us: the replay of a graph of one empty kernel (``bench``: decode.py's, which times a graph's replay)."""
     x = torch.empty(1, device=dev)
-    return _time(lambda: _empty_kernel[(1,)](x))
+    return bench(lambda: _empty_kernel[(1,)](x))
 
 
 def gather_launch(k, v, idx, block_n, num_warps, programs_per_sm, stream=False, sms=None):
@@ -98,9 +81,10 @@ def gather_launch(k, v, idx, block_n, num_warps, programs_per_sm, stream=False, 
     return run, out
 
 
-def gather_times(k, v, idx, sweep=((32, 4), (64, 4), (64, 8), (128, 8)), per_sm=(2, 4, 8, 16)) -> dict:
+def gather_times(k, v, idx, bench, sweep=((32, 4), (64, 4), (64, 8), (128, 8)), per_sm=(2, 4, 8, 16)) -> dict:
     """{"gather_only": us, "stream_only": us, "gather_cfg": ..., "stream_cfg": ...}: the fastest launch of each over
-    ``sweep`` ((keys per block, warps)) x ``per_sm``. ``k, v [B, H, N, D]``; ``idx [B, H, 1, K]`` (no padding)."""
+    ``sweep`` ((keys per block, warps)) x ``per_sm``, timed by ``bench`` (decode.py's: us of a graph's replay).
+    ``k, v [B, H, N, D]``; ``idx [B, H, 1, K]`` (no padding)."""
     assert bool((idx >= 0).all()), "index rows without padding"
     res = {}
     for stream in (False, True):
@@ -108,7 +92,7 @@ def gather_times(k, v, idx, sweep=((32, 4), (64, 4), (64, 8), (128, 8)), per_sm=
         for bn, nw in sweep:
             for pps in per_sm:
                 run, out = gather_launch(k, v, idx, bn, nw, pps, stream)
-                us = _time(run)
+                us = bench(run)
                 if best is None or us < best[0]:
                     best = (us, {"block_n": bn, "num_warps": nw, "programs_per_sm": pps, "splits": out.shape[2]})
         key = "stream_only" if stream else "gather_only"
@@ -122,6 +106,8 @@ def main():
     ap.add_argument("--b", type=int, default=1, help="batch (default 1)")
     ap.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head dim (default Llama-3.1-8B's)")
     args = ap.parse_args()
+    from decode import bench  # the graph-replay timing of decode.py (imported here: decode.py imports this file)
+
     from kascade.budget import Budget
     from kascade.ops.triton import decode as td
 
@@ -133,10 +119,11 @@ def main():
     v = torch.randn_like(k)
     budget = Budget(ratio=0.1, k_min=128)
     idx = td.select_decode(q, k, budget=budget, scale=D**-0.5).indices
-    reuse = _time(lambda: td.sparse_decode(q, k, v, idx, scale=D**-0.5))
-    t = gather_times(k, v, idx)
+    reuse = bench(lambda: td.sparse_decode(q, k, v, idx, scale=D**-0.5))
+    t = gather_times(k, v, idx, bench)
     gathered = 2 * k.shape[0] * H * idx.shape[-1] * D * k.element_size()
-    print(f"B={args.b} N={args.n} heads {HQ}/{H} D={D}: graph floor {graph_floor(dev):.1f} us; reuse {reuse:.1f} us; "
+    print(f"B={args.b} N={args.n} heads {HQ}/{H} D={D}: graph floor {graph_floor(dev, bench):.1f} us; "
+          f"reuse {reuse:.1f} us; "
           f"gather only {t['gather_only']:.1f} us ({gathered / t['gather_only'] / 1e6:.2f} TB/s, {t['gather_cfg']}); "
           f"stream only {t['stream_only']:.1f} us ({gathered / t['stream_only'] / 1e6:.2f} TB/s, {t['stream_cfg']})")
 
