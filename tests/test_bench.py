@@ -415,3 +415,26 @@ def test_a_plan_for_another_default_model_is_refused_from_its_config(tmp_path, m
                "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "another model than 'default'" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_an_out_made_and_then_found_unwritable_is_not_left_behind(tmp_path, monkeypatch):
+    """check_out makes the missing folders, then probes them with a file; when the probe fails (a full disk, a
+    mount that takes folders but no files) the folders it made used to stay behind, empty."""
+    import tempfile
+
+    from kascade import files
+
+    def no_files(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_files)
+    with pytest.raises(ValueError, match="cannot write the results there"):
+        with files.output_folder(tmp_path / "new" / "deeper" / "out", "kascade bench"):
+            pytest.fail("the folder was held")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(ValueError, match="cannot write the results there"):
+        with files.output_folder(kept / "out", "kascade bench"):
+            pytest.fail("the folder was held")
+    assert kept.is_dir() and not (kept / "out").exists()

@@ -33,12 +33,12 @@ def output_folder(out: str | Path, command: str):
     removes the folders it made, so that a refusal leaves no trace; a folder that existed before is left as it was."""
     out = Path(out).expanduser()
     made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost folder to make
-    out = check_out(out)
     try:
+        out = check_out(out)  # makes the missing folders, then may still find that they take no files
         with hold(out, command) as held:
             yield held
     except BaseException:
-        if made is not None and {p.name for p in out.iterdir()} <= {LOCK}:
+        if made is not None and out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK}:
             (out / LOCK).unlink(missing_ok=True)
             for p in [out, *out.parents]:  # up to the first folder this run made
                 p.rmdir()
