@@ -69,6 +69,8 @@ def gather_launch(k, v, idx, block_n, num_warps, programs_per_sm, stream=False, 
     n = idx.shape[-1]
     assert v.stride() == k.stride() and idx.stride(-1) == 1
     sms = sms or torch.cuda.get_device_properties(k.device).multi_processor_count
+    # the split count as kascade.ops.triton.decode._splits rounds it up, but down to one block a program (its floor
+    # is two), so that the sweep also tries the shortest programs
     splits = max(1, min(triton.cdiv(programs_per_sm * sms, B * H), triton.cdiv(n, block_n)))
     per = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     S = triton.cdiv(n, per)

@@ -59,9 +59,8 @@ def _bench(text):
 
 def _speed(card):
     """The Speed section's part about one card (its "### <card>" heading to the next)."""
-    speed = README[README.index("## Speed"):]
-    part = speed[speed.index(f"### {card}"):]
-    return part[:part.index("\n### ", 1)] if "\n### " in part[1:] else part
+    part = README[README.index(f"### {card}"):]
+    return re.split(r"\n##", part[1:])[0]
 
 
 def test_headline():
