@@ -218,3 +218,60 @@ def test_plans_built_in_code_are_strict_too():
         KascadePlan(FP, (0, 2), (IDENT,) * 8, rolling="false")
     with pytest.raises(ValueError, match="k_min must be an integer"):
         Budget(k_min=True)
+
+
+# -- tensor parallelism: shard-local plans --------------------------------------------------------------------------
+FP4 = ModelFingerprint("llama", 4, 8, 4, 16)  # 4 KV heads: shards {0, 1} and {2, 3} at tensor_parallel=2
+
+
+def _plan_with_sources(sources_of_layer):
+    """Anchors 0 and 2; layers 1 and 3 reuse through ``sources`` (one row of per-head pairs per reuse layer)."""
+    ident = tuple(range(4))
+    rows = tuple(tuple(((l, h),) for h in ident) if l in (0, 2) else sources_of_layer[l] for l in range(4))
+    return KascadePlan(FP4, (0, 2), (ident,) * 4, calibrated=True).with_reuse(sources=rows)
+
+
+def test_a_plan_whose_sources_cross_ranks_is_made_shard_local():
+    """Reuse sources (any-anchor / union2 plans) that cross shards are moved into the reuse head's shard: before the
+    fix, for_tensor_parallel raised "the plan says it is shard-local" on every such plan."""
+    crossing = {
+        1: (((0, 2),), ((0, 1),), ((0, 0), (0, 3)), ((0, 3),)),  # head 0 crosses; head 2's union crosses once
+        3: (((2, 1), (0, 3)), ((2, 0),), ((2, 2),), ((0, 1),)),  # head 0 crosses once (layer 0); head 3 crosses
+    }
+    plan = _plan_with_sources(crossing)
+    assert plan.crossing_links(2) == [(1, 0, 0, 2), (1, 2, 0, 0), (3, 0, 0, 3), (3, 3, 0, 1)]
+    local = plan.for_tensor_parallel(2)  # no statistics: a crossing source moves to the reuse head's own index
+    assert local.tensor_parallel == 2 and local.crossing_links(2) == []
+    assert local.reuse.sources[1] == (((0, 0),), ((0, 1),), ((0, 2), (0, 3)), ((0, 3),))
+    assert local.reuse.sources[3] == (((2, 1), (0, 0)), ((2, 0),), ((2, 2),), ((0, 3),))
+    assert KascadePlan.from_dict(local.to_dict()) == local
+
+
+def test_a_union_whose_moved_source_meets_the_other_collapses_to_one():
+    plan = _plan_with_sources({1: (((0, 0),), ((0, 1),), ((0, 2), (0, 0)), ((0, 3),)),
+                               3: tuple(((2, h),) for h in range(4))})
+    assert plan.for_tensor_parallel(2).reuse.sources[1][2] == ((0, 2),)  # (0, 0) moved onto (0, 2)
+
+
+def test_shard_local_links_follow_the_similarity_read_as_a_b_hb_ha():
+    """``similarity[a, b, hb, ha]``: how well anchor ``a``'s head ``ha`` serves layer ``b``'s head ``hb`` (``a < b``).
+    The entries below differ under every swap of two axes, so a reading with swapped axes picks other heads."""
+    import torch
+
+    ident = tuple(range(4))
+    flip = (2, 3, 0, 1)  # every reuse head follows the other shard: all links cross at tensor_parallel=2
+    plan = KascadePlan(FP4, (0, 2), (ident, flip, ident, flip), calibrated=True)
+    sim = torch.zeros(4, 4, 4, 4)
+    sim[0, 1, 0, 1] = 0.9  # layer 1, head 0: anchor 0's head 1 (its shard: 0, 1) serves it best
+    sim[0, 1, 0, 0] = 0.2
+    sim[0, 1, 1, 0] = 0.8  # head 1: head 0 of anchor 0
+    sim[0, 1, 2, 2] = 0.7  # head 2: itself
+    sim[0, 1, 3, 2] = 0.6  # head 3: head 2
+    sim[2, 3, 0, 0] = 0.5  # layer 3 (anchor 2): head 0 -> 0, head 1 -> 0, head 2 -> 3, head 3 -> 3
+    sim[2, 3, 1, 0] = 0.5
+    sim[2, 3, 2, 3] = 0.5
+    sim[2, 3, 3, 3] = 0.5
+    sim[1, 0] = sim[3, 2] = 1.0 - torch.eye(4)  # the undefined a > b half: read, it would pick other heads
+    local = plan.for_tensor_parallel(2, sim)
+    assert local.head_map[1] == (1, 0, 2, 2)
+    assert local.head_map[3] == (0, 0, 3, 3)

@@ -215,6 +215,22 @@ def test_tensor_parallel_writes_the_shard_local_plan(tmp_path, tiny, capsys):
     assert "shard-local for 2 tensor-parallel ranks" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("method", ["any-anchor", "union2"])
+def test_tensor_parallel_with_reuse_sources_writes_a_shard_local_plan(tmp_path, tiny, capsys, method):
+    """A reuse rule that sets sources (any anchor's heads) made shard-local: it crashed after the statistics with
+    "the plan says it is shard-local" before for_tensor_parallel applied the moved sources first."""
+    data = texts_file(tmp_path / "d.jsonl", 2)
+    argv = [*TINY, "--anchors", "3", "--data", str(data), "--method", method]
+    assert main(["calibrate", *argv, "--out", str(tmp_path / "g")]) == 0
+    assert main(["calibrate", *argv, "--tensor-parallel", "2", "--out", str(tmp_path / "tp")]) == 0, \
+        capsys.readouterr().err
+    glob, local = (KascadePlan.load(tmp_path / d / "plan.json") for d in ("g", "tp"))
+    assert glob.crossing_links(2), "the test needs a global plan with links across the two shards"
+    assert local.reuse.sources is not None and local.tensor_parallel == 2 and local.crossing_links(2) == []
+    sim = torch.tensor(json.loads((tmp_path / "tp" / "stats.json").read_text())["similarity"])
+    assert local == glob.for_tensor_parallel(2, sim)
+
+
 def test_an_interrupted_write_leaves_the_earlier_calibration_whole(tmp_path, tiny, monkeypatch, capsys):
     """The files go in place together, plan.json last: Ctrl-C while they are written leaves the earlier run's files
     (not a new plan.json beside the earlier pictures) and no temporary file."""

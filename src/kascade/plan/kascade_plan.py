@@ -306,12 +306,13 @@ class KascadePlan:
             else:
                 pairs = [(a, local(l, h, a) if a == al and x == ah else x) for a, x in sources[l][h]]
                 sources[l][h] = list(dict.fromkeys(pairs))  # a union may collapse to one source
-        plan = dataclasses.replace(self, head_map=tuple(map(tuple, head_map)), tensor_parallel=tp,
+        reuse = self.reuse if sources is None else dataclasses.replace(self.reuse, sources=sources)
+        # one replace: the shard-local size is checked against the moved links, never against the old ones
+        return dataclasses.replace(self, head_map=tuple(map(tuple, head_map)), reuse=reuse, tensor_parallel=tp,
                                    by_length=tuple((m, p.for_tensor_parallel(tp, similarity)) for m, p in self.by_length),
                                    source=f"{self.source}; shard-local for tensor_parallel={tp} "
                                    f"({len(cross)} links moved into their shard"
                                    f"{' by similarity' if similarity is not None else ' to the same head'})")
-        return plan if sources is None else plan.with_reuse(sources=tuple(tuple(map(tuple, r)) for r in sources))
 
     def with_reuse(self, **changes) -> "KascadePlan":
         """A copy whose reuse rule has other fields (``scale``, ``sources``, ``sinks``, ``recent``)."""
