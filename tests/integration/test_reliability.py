@@ -179,6 +179,30 @@ def test_nested_enable_is_refused_and_disable_always_restores():
         model(_ids(30))
 
 
+def test_a_handle_entered_again_runs_kascade_again():
+    """``h = enable(m, plan)``; ``with h:`` twice: the second block ran plain dense attention, silently."""
+    model = tiny_model("llama")
+    ids = _ids(200)
+    with torch.no_grad():
+        dense = model(ids).logits
+        h = kascade.enable(model, _plan(model))
+        with h:
+            first = model(ids).logits
+        assert not torch.allclose(first, dense, atol=1e-3), "the plan must change the output for this test"
+        assert torch.equal(model(ids).logits, dense)
+        with h:
+            assert h.active and model.config._attn_implementation == "kascade"
+            again = model(ids).logits
+        assert not h.active and model.config._attn_implementation == "sdpa"
+        h.disable()
+        with h:  # disabled by hand, then entered: routed again as well
+            third = model(ids).logits
+        with kascade.enable(model, _plan(model)):  # the handle let go of the model
+            pass
+    assert torch.equal(again, first) and torch.equal(third, first)
+    assert not any(hasattr(m, "_kascade_runtime") for m in model.modules())
+
+
 def test_training_and_gradients_are_refused_clearly():
     model = tiny_model("llama")
     ids = _ids(40)

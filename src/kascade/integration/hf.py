@@ -61,14 +61,35 @@ def _set_implementation(model, name: str) -> None:
 
 
 class KascadeHandle:
-    """Returned by :func:`enable`; a context manager whose exit (or :meth:`disable`) restores the model."""
+    """Returned by :func:`enable` (and :func:`attach`), with the model routed; a context manager whose exit (or
+    :meth:`disable`) restores the model. Entering a handle that was disabled routes the model again, with the same
+    runtime: ``with h: ...`` twice runs Kascade both times."""
 
-    def __init__(self, model, runtime, previous_impl: str, modules):
+    def __init__(self, model, runtime):
         self.model = model
         self.runtime = runtime
         self.plan = getattr(runtime, "plan", None)
-        self._previous_impl = previous_impl
-        self._modules = modules
+        self.active = False
+        self._previous_impl = None
+        self._modules = ()
+
+    def _route(self) -> None:
+        model = self.model
+        check_supported(model)
+        modules = attention_modules(model)
+        if not type(model)._can_set_attn_implementation():
+            raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
+                             "Kascade cannot route its attention")
+        previous = _text_config(model)._attn_implementation
+        register()
+        _set_implementation(model, ATTN_NAME)
+        if _text_config(model)._attn_implementation != ATTN_NAME:
+            _set_implementation(model, previous)
+            raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
+        for m in modules:
+            m._kascade_runtime = self.runtime
+        self._previous_impl, self._modules = previous, modules
+        model._kascade_handle = self
         self.active = True
 
     def disable(self) -> None:
@@ -81,6 +102,8 @@ class KascadeHandle:
         self.active = False
 
     def __enter__(self) -> "KascadeHandle":
+        if not self.active:
+            self._route()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -185,21 +208,8 @@ def attach(model, runtime) -> KascadeHandle:
     statistics recorder the same way): per forward, ``state = runtime.begin(q, k, kv_start, q_offset)`` at layer 0,
     then ``runtime.attend(layer, q, k, v, state, scale)`` for every layer, ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]``
     -> ``[B, HQ, L, D]``."""
-    check_supported(model)
-    modules = attention_modules(model)
-    if not type(model)._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not use transformers' attention-function registry; "
-                         "Kascade cannot route its attention")
-    previous = _text_config(model)._attn_implementation
-    register()
-    _set_implementation(model, ATTN_NAME)
-    if _text_config(model)._attn_implementation != ATTN_NAME:
-        _set_implementation(model, previous)
-        raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
-    for m in modules:
-        m._kascade_runtime = runtime
-    handle = KascadeHandle(model, runtime, previous, modules)
-    model._kascade_handle = handle
+    handle = KascadeHandle(model, runtime)
+    handle._route()
     return handle
 
 
