@@ -201,6 +201,16 @@ def test_target_agreement_needs_no_anchor_count_the_model_cannot_hold(tmp_path, 
     assert f"used texts 1..3 of {data}" in out and f"kascade eval --data {data} --skip-texts 3" in out
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--method", "any-anchor+union2"], "argument --method: 'any-anchor+union2': any-anchor and union2 both choose"),
+    (["--method", "length", "--rule", "search"], "argument --rule: unknown reuse rule(s) ['search']"),
+    (["--method", "search", "--rule", "measured"], "argument --rule: unknown reuse rule(s) ['measured']"),
+])
+def test_methods_and_rules_that_cannot_run_are_refused_before_the_model_loads(tmp_path, tiny, capsys, argv, needle):
+    err = one_line_error("calibrate", [*TINY, *argv, "--out", str(tmp_path / "o")], capsys)
+    assert needle in err and tiny.loads == [] and not (tmp_path / "o").exists()
+
+
 def test_tensor_parallel_writes_the_shard_local_plan(tmp_path, tiny, capsys):
     """--tensor-parallel 2: the plan written is the global plan made shard-local by the statistics' similarity."""
     data = texts_file(tmp_path / "d.jsonl", 2)

@@ -38,16 +38,20 @@ from . import target
 from .budgets import MEASURED_GRID, layer_sensitivity, measured_budget_plan
 from .joint import joint_plan
 from .dp import dp_anchors, objective_table, plan_from_stats
-from .rules import RULES, fingerprint, length_plan, plan_for_rule
+from .rules import RULES, fingerprint, length_plan, plan_for_rule, rule_problem
 from .search import searched_plan
 from .stats import DEFAULT_K, CalibrationStats, collect_stats, min_window_tokens
 
 METHODS = (*RULES, "length", "search", "measured")
 
 
-def is_method(name: str) -> bool:
-    """Whether ``name`` is one of :data:`METHODS` or reuse rules joined by ``+``."""
-    return name in METHODS or all(x in RULES for x in name.split("+"))
+def method_problem(name) -> str | None:
+    """Why ``name`` is not a calibration method (one of :data:`METHODS`, or reuse rules joined by ``+``), or None."""
+    if name in METHODS:
+        return None
+    if isinstance(name, str) and all(x in RULES for x in name.split("+")):
+        return rule_problem(name)  # rules that cannot go together
+    return f"unknown method {name!r}; choose from {', '.join(METHODS)} (or reuse rules joined by '+')"
 
 
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
@@ -167,10 +171,11 @@ class Settings:
         need = min_window_tokens(self.k, self.tile)
         if self.seq_len < need:
             raise ValueError(f"--seq-len {self.seq_len} is too short: at least {need} tokens (one tile after k keys)")
-        for name in (self.method, self.rule or "faithful"):
-            if not is_method(name):
-                raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)} (or reuse rules joined "
-                                 "by '+')")
+        why = method_problem(self.method)
+        if why:
+            raise ValueError(f"--method: {why}")
+        if self.rule is not None and rule_problem(self.rule):
+            raise ValueError(f"--rule: {rule_problem(self.rule)}")
         if self.rule is not None and self.method not in ("length", "search"):
             raise ValueError(f"--rule is the reuse rule of --method length or search, not of {self.method!r}")
         if self.lengths is not None:

@@ -83,18 +83,29 @@ def layer_scales(stats: CalibrationStats, plan: KascadePlan, alpha: float = ALPH
     return tuple(1.0 if plan.is_anchor(b) else round(s[b], 4) for b in range(L))
 
 
+def rule_problem(rule) -> str | None:
+    """Why ``rule`` is not a reuse rule (one of :data:`RULES`, or several joined by ``+``), or None if it is."""
+    if not isinstance(rule, str):
+        return f"a reuse rule must be a string, got {rule!r}"
+    parts = rule.split("+")
+    bad = [p for p in parts if p not in RULES]
+    if bad:
+        return f"unknown reuse rule(s) {bad}; choose from {', '.join(RULES)} (join several with '+')"
+    if "any-anchor" in parts and "union2" in parts:
+        return f"{rule!r}: any-anchor and union2 both choose the sources: use one of them"
+    return None
+
+
 def plan_for_rule(model_or_fp, stats: CalibrationStats, anchors, rule: str = "faithful", *, alpha: float = ALPHA,
                   budget: dict | None = None, source: str = "") -> KascadePlan:
     """The plan of a reuse ``rule`` (one of :data:`RULES`, or several joined by ``+``, e.g.
     ``any-anchor+layer-budget``) for a given anchor set; ``budget`` sets the plan's ratio / k_min / tile / rolling
     (default: the plan's defaults)."""
     fp = fingerprint(model_or_fp)
+    why = rule_problem(rule)
+    if why:
+        raise ValueError(why)
     parts = rule.split("+")
-    bad = [p for p in parts if p not in RULES]
-    if bad:
-        raise ValueError(f"unknown reuse rule(s) {bad}; choose from {', '.join(RULES)} (join several with '+')")
-    if "any-anchor" in parts and "union2" in parts:
-        raise ValueError("any-anchor and union2 both choose the sources: use one of them")
     anchors = tuple(sorted(anchors))
     hm = head_maps(stats, anchors, fp.num_layers)
     plan = KascadePlan(fp, anchors, hm, calibrated=True, source=source or f"calibrated ({rule}): anchors "

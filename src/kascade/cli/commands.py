@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .types import csv_of, device, file, integer, method, model_args, number, plan_file, positive  # noqa: F401
+from .types import csv_of, device, file, integer, method, model_args, number, plan_file, positive, rule  # noqa: F401
 
 
 def run_demo(args) -> int:
@@ -141,7 +141,7 @@ def add_calibrate(sub) -> None:
                    "--lengths, chosen from N at run time), search (anchors by measured KL on other dev windows) or "
                    "measured (the shipped default's method: search, then per-layer budgets from each layer's measured "
                    "sensitivity on those windows; about 30 + 3 x layers plan evaluations)")
-    c.add_argument("--rule", default=None, type=method,
+    c.add_argument("--rule", default=None, type=rule,
                    help="with --method length / search: the reuse rule of the sub-plans (default: faithful)")
     c.add_argument("--lengths", type=positive(), nargs="+", default=None,
                    help="with a --method other than faithful: calibration lengths in tokens, each with its own "

@@ -101,12 +101,23 @@ def file(value):
 
 
 def method(value):
-    from ..calibrate.pipeline import METHODS, is_method
+    """An argparse type: a calibration method (``kascade calibrate --method``)."""
+    from ..calibrate.pipeline import method_problem
 
-    if is_method(value):
-        return value
-    raise argparse.ArgumentTypeError(f"unknown method {value!r}; choose from {', '.join(METHODS)} (or reuse rules "
-                                     "joined by '+')")
+    why = method_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return value
+
+
+def rule(value):
+    """An argparse type: a reuse rule, or several joined by '+' (``kascade calibrate --rule``)."""
+    from ..calibrate.rules import rule_problem
+
+    why = rule_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return value
 
 
 def model_args(p) -> None:
