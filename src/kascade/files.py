@@ -30,21 +30,37 @@ def check_out(out: str | Path) -> Path:
 def output_folder(out: str | Path, command: str):
     """:func:`check_out` then :func:`hold`: the commands' output folder for one run. A run that fails before writing
     anything into a folder it made (bad input refused after the folder was checked, a model that does not load)
-    removes the folders it made, so that a refusal leaves no trace; a folder that existed before is left as it was."""
+    removes the folders it made, so that a refusal leaves no trace; a folder that existed before is left as it was.
+    A run refused because another run holds the folder removes nothing: two runs starting on the same new path at
+    once both made it, as far as each can tell, and the folder is the holder's."""
     out = Path(out).expanduser()
     made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost folder to make
     try:
         out = check_out(out)  # makes the missing folders, then may still find that they take no files
-        with hold(out, command) as held:
-            yield held
     except BaseException:
-        if made is not None and out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK}:
-            (out / LOCK).unlink(missing_ok=True)
-            for p in [out, *out.parents]:  # up to the first folder this run made
-                p.rmdir()
-                if p == made:
-                    break
+        _remove_made(out, made)
         raise
+    with hold(out, command) as held:
+        try:
+            yield held
+        except BaseException:
+            _remove_made(out, made)  # while held: no other run is in the folder
+            raise
+
+
+def _remove_made(out: Path, made: Path | None) -> None:
+    """Remove ``out`` and its parents up to ``made`` (the topmost folder this run made) if nothing but the lock was
+    written there; stop quietly where a folder is not empty (another run's files came in meanwhile)."""
+    if made is None or not out.is_dir() or not {p.name for p in out.iterdir()} <= {LOCK}:
+        return
+    try:
+        (out / LOCK).unlink(missing_ok=True)
+        for p in [out, *out.parents]:  # up to the first folder this run made
+            p.rmdir()
+            if p == made:
+                break
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
