@@ -438,3 +438,10 @@ def test_an_out_made_and_then_found_unwritable_is_not_left_behind(tmp_path, monk
         with files.output_folder(kept / "out", "kascade bench"):
             pytest.fail("the folder was held")
     assert kept.is_dir() and not (kept / "out").exists()
+
+
+def test_a_shipped_plan_named_for_a_model_without_it_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = main(["bench", *FAST, "--plan", "faithful", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "no shipped 'faithful' plan for this model" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -41,14 +41,21 @@ def test_greedy_answers_as_a_hand_written_greedy_loop():
 
 
 @pytest.mark.model
-def test_demo_end_to_end(default_model, monkeypatch, capsys):
+@pytest.mark.parametrize("plan", [None, "searched"])
+def test_demo_end_to_end(default_model, monkeypatch, capsys, plan):
+    """With the model's default plan, and with a shipped plan named on the command line (it was refused as "no plan
+    file")."""
+    from kascade.plan import shipped_plan
+
     def load(*a, check=None, **k):  # as load_model: the check before the weights
         check(default_model[0].config, default_model[1])
         return default_model
 
     monkeypatch.setattr(demo, "load_model", load)
-    assert main(["demo", "--tokens", "600", "--max-new-tokens", "4", "--compare-last", "64"]) == 0
+    argv = ["demo", "--tokens", "600", "--max-new-tokens", "4", "--compare-last", "64"]
+    assert main(argv + (["--plan", plan] if plan else [])) == 0
     out = capsys.readouterr().out
+    assert shipped_plan(default_model[0], plan or "default").source in out
     assert "teacher-forced on the prompt's last 64 positions: top-1 agreement" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("dense ", "kascade "))}
     assert set(lines) == {"dense", "kascade"}

@@ -275,3 +275,30 @@ def test_shard_local_links_follow_the_similarity_read_as_a_b_hb_ha():
     local = plan.for_tensor_parallel(2, sim)
     assert local.head_map[1] == (1, 0, 2, 2)
     assert local.head_map[3] == (0, 0, 3, 3)
+
+
+def test_a_plan_is_given_as_a_plan_a_shipped_name_or_a_file(tmp_path, monkeypatch):
+    from kascade.plan import SHIPPED_VARIANTS, resolve_plan, shipped_plan
+
+    smol = ModelFingerprint("llama", 30, 9, 3, 64)  # the default model: its plans ship with the package
+    assert resolve_plan(None, smol) == default_plan(smol) and default_plan(smol).calibrated
+    assert resolve_plan(None, FP) == KascadePlan.uniform(FP, 6)  # nothing shipped for this shape
+    for name in SHIPPED_VARIANTS:
+        assert resolve_plan(name, smol) == shipped_plan(smol, name)
+    assert resolve_plan("searched", smol) != resolve_plan("faithful", smol)
+    plan = KascadePlan.uniform(FP, 3)
+    assert resolve_plan(plan, smol) is plan  # not checked against the model here (enable does)
+    (tmp_path / "cal").mkdir()
+    plan.save(tmp_path / "cal" / "plan.json")
+    monkeypatch.chdir(tmp_path)
+    for given in ("cal/plan.json", tmp_path / "cal" / "plan.json", str(tmp_path / "cal" / "plan.json")):
+        assert resolve_plan(given, FP) == plan
+    with pytest.raises(ValueError, match="no plan file at other.json"):
+        resolve_plan("other.json", FP)
+    with pytest.raises(ValueError, match=r"'fastest' is neither a shipped plan \(default, searched, .*\) nor a plan "
+                                         "file"):
+        resolve_plan("fastest", FP)
+    with pytest.raises(ValueError, match="no shipped 'searched' plan for this model"):
+        resolve_plan("searched", FP)
+    with pytest.raises(TypeError, match="got int"):
+        resolve_plan(3, FP)

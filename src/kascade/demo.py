@@ -12,7 +12,7 @@ from . import text
 from .fidelity import DenseReference
 from .integration.hf import enable
 from .models import load_model
-from .plan import ModelFingerprint, default_plan
+from .plan import ModelFingerprint, resolve_plan
 
 NEEDLE = "The secret passphrase of the archive is {value}."
 QUESTION = "What is the secret passphrase of the archive? Answer with the passphrase only."
@@ -84,10 +84,12 @@ def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, d
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     t0 = time.perf_counter()
     print(f"loading {'the default model (SmolLM2-135M-Instruct)' if model_path is None else model_path} ...", flush=True)
-    prompt = []
+    prompt, plans = [], []
 
     def check(config, tok):  # before the weights: the plan's model and the prompt's length
-        diffs = plan.fingerprint.differences(ModelFingerprint.from_config(config)) if plan is not None else []
+        fp = ModelFingerprint.from_config(config)
+        plans.append(resolve_plan(plan, fp))
+        diffs = plans[0].fingerprint.differences(fp)
         if diffs:
             raise ValueError("--plan was made for another model: " + "; ".join(diffs))
         prompt.append(build_prompt(tok, tokens, seed=seed))
@@ -95,7 +97,7 @@ def run(tokens: int = 4096, max_new_tokens: int = 24, compare_last: int = 512, d
     model, tok = load_model(model_path, device=device, dtype=dtype, check=check)
     load_s = time.perf_counter() - t0
     ids = prompt[0]
-    plan = plan or default_plan(model)
+    plan = plans[0]
     results = {}
     with tqdm(total=2 * max_new_tokens, desc="dense + kascade", unit="step") as bar:
         bar.set_postfix_str("dense")

@@ -271,3 +271,26 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path, tiny, capsys):
     capsys.readouterr()
     assert "--skip-texts 2 leaves none" in _error("eval", [*argv, "--out", str(ok)], capsys)
     assert len(_rows(ok)) == 6  # earlier results stay
+
+
+def test_a_shipped_plan_is_named_with_plan_and_refused_before_the_weights_where_none_ships(tmp_path, tiny, capsys):
+    """--plan takes a shipped plan's name (it said "no plan file"); a model without that plan is told so before its
+    weights are read."""
+    assert build_parser().parse_args(["eval", "--plan", "searched"]).plan == "searched"
+    err = _error("eval", [*FAST, "--plan", "searched", "--out", str(tmp_path / "e")], capsys)
+    assert "no shipped 'searched' plan for this model" in err and tiny.loads == []
+    err = _error("eval", [*FAST, "--plan", "fastest", "--out", str(tmp_path / "e")], capsys)
+    assert "argument --plan: no plan file at fastest (give a plan file or a shipped plan: default, searched" in err
+
+
+def test_resume_knows_the_model_folder_by_any_path(tmp_path, monkeypatch, capsys):
+    """The same model folder given once relative and once absolute: the second run resumed nothing and was refused
+    ("other settings")."""
+    folder = tmp_path / "m"
+    tiny_model("llama").save_pretrained(folder)
+    monkeypatch.setattr(kascade.models, "load_model", tiny_loader(tiny_model("llama")).load)
+    monkeypatch.chdir(tmp_path)
+    argv = [*FAST, "--samples", "1", "--out", str(tmp_path / "e")]
+    assert main(["eval", *argv, "--model", "m"]) == 0
+    assert main(["eval", *argv, "--model", str(folder)]) == 0, capsys.readouterr().err
+    assert main(["eval", *argv, "--model", "./m/"]) == 0

@@ -203,6 +203,25 @@ def test_a_handle_entered_again_runs_kascade_again():
     assert not any(hasattr(m, "_kascade_runtime") for m in model.modules())
 
 
+def test_enable_takes_the_path_of_a_plan_file(tmp_path, monkeypatch):
+    """``kascade.enable(model, "cal/plan.json")`` said "unknown shipped plan variant"."""
+    model = tiny_model("llama")
+    plan = _plan(model)
+    (tmp_path / "cal").mkdir()
+    plan.save(tmp_path / "cal" / "plan.json")
+    monkeypatch.chdir(tmp_path)
+    for given in ("cal/plan.json", tmp_path / "cal" / "plan.json"):
+        with kascade.enable(model, given) as h:
+            assert h.plan == plan
+    with pytest.raises(ValueError, match=r"no plan file at cal \(it is a folder\)"):
+        kascade.enable(model, "cal")
+    with pytest.raises(ValueError, match="'fastest' is neither a shipped plan .* nor a plan file"):
+        kascade.enable(model, "fastest")
+    with pytest.raises(ValueError, match="no shipped 'faithful' plan for this model"):
+        kascade.enable(model, "faithful")
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_training_and_gradients_are_refused_clearly():
     model = tiny_model("llama")
     ids = _ids(40)

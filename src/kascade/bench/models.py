@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import KascadePlan, ModelFingerprint, default_plan
+from ..plan import KascadePlan, ModelFingerprint, default_plan, resolve_plan
 from .settings import Settings
 
 MODELS = ("default", "llama8b", "tiny")
@@ -46,9 +46,11 @@ def _fingerprint(overrides: dict) -> ModelFingerprint:
     return ModelFingerprint.from_config(LlamaConfig(**overrides))
 
 
-def plan_for(name: str, model, plan: KascadePlan | None) -> KascadePlan:
-    """The user's plan (checked against the model), else: the shipped plan for ``default``, uniform otherwise."""
+def plan_for(name: str, model, plan: KascadePlan | str | None) -> KascadePlan:
+    """The user's plan (a plan, a plan file or a shipped plan's name; checked against the model), else: the shipped
+    plan for ``default``, uniform otherwise."""
     if plan is not None:
+        plan = resolve_plan(plan, model)
         plan.check_model(model)
         return plan
     fp = ModelFingerprint.from_model(model)
@@ -59,7 +61,7 @@ def plan_for(name: str, model, plan: KascadePlan | None) -> KascadePlan:
     return default_plan(model)
 
 
-def check_plan(names, plan: KascadePlan | None, model_path=None) -> None:
+def check_plan(names, plan: KascadePlan | str | None, model_path=None) -> None:
     """Fail before any work if ``plan`` cannot serve a model of ``names`` (``default``: its config, read without the
     weights, from ``model_path`` or the embedded default model)."""
     if plan is None:
@@ -71,7 +73,7 @@ def check_plan(names, plan: KascadePlan | None, model_path=None) -> None:
             fp = ModelFingerprint.from_config(model_config(model_path))
         else:
             fp = _fingerprint(LLAMA8B if name == "llama8b" else TINY)
-        diffs = plan.fingerprint.differences(fp)
+        diffs = resolve_plan(plan, fp).fingerprint.differences(fp)
         if diffs:
             raise ValueError(f"--plan was made for another model than {name!r}: " + "; ".join(diffs))
 

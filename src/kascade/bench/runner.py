@@ -37,8 +37,10 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | None = None, argv=None) -> dict:
-    """Measure every (model, batch, length); write the outputs after each configuration; return the results. The
+def run(models, settings: Settings, out, *, model_path=None, plan: KascadePlan | str | None = None,
+        argv=None) -> dict:
+    """Measure every (model, batch, length); write the outputs after each configuration; return the results.
+    ``plan``: for every model (None: each one's own, :func:`kascade.bench.models.plan_for`). The
     output folder is held for the run (a second run into it meanwhile is refused), and removed if this run made it and
     then failed before writing into it (:func:`kascade.files.output_folder`)."""
     for m in models:
@@ -136,8 +138,7 @@ def main_args(args) -> int:
                         decode=args.decode,
                         seed=args.seed, device=args.device, memory_limit_gb=args.memory_limit,
                         time_budget_s=args.time_budget or None)
-    plan = KascadePlan.load(args.plan) if args.plan else None
-    r = run(args.models, settings, args.out, model_path=args.model, plan=plan, argv=sys.argv)
+    r = run(args.models, settings, args.out, model_path=args.model, plan=args.plan, argv=sys.argv)
     print()
     print(table(r))
     print(f"total {r['elapsed_s']:.0f} s; wrote " + ", ".join(r["files"]))

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from .types import csv_of, device, file, integer, method, model_args, number, plan_file, positive, rule  # noqa: F401
+from ..plan import SHIPPED_VARIANTS
+from .types import csv_of, device, file, integer, method, model_args, number, plan_arg, positive, rule  # noqa: F401
 
 
 def run_demo(args) -> int:
     from .. import demo
-    from ..plan import KascadePlan
 
-    plan = KascadePlan.load(args.plan) if args.plan else None
     r = demo.run(tokens=args.tokens, max_new_tokens=args.max_new_tokens, compare_last=args.compare_last,
-                 device=args.device, model_path=args.model, plan=plan, seed=args.seed)
+                 device=args.device, model_path=args.model, plan=args.plan, seed=args.seed)
     print()
     print(demo.report(r))
     return 0
@@ -37,9 +36,9 @@ def add_demo(sub) -> None:
                    help="tokens of each greedy answer (default: 24)")
     d.add_argument("--compare-last", type=positive(), default=512,
                    help="the teacher-forced comparison scores this many last prompt positions (default: 512)")
-    d.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
-                   help="a Kascade plan JSON, as kascade calibrate writes (default: the shipped plan for the model, "
-                   "else a uniform one)")
+    d.add_argument("--plan", default=None, type=plan_arg, metavar="FILE|NAME",
+                   help="a Kascade plan JSON, as kascade calibrate writes, or the name of a plan shipped for the model "
+                   f"({', '.join(SHIPPED_VARIANTS)}) (default: the shipped plan for the model, else a uniform one)")
     d.add_argument("--seed", type=integer(0), default=0,
                    help="which window of the evaluation text is the haystack (default: 0)")
     model_args(d)
@@ -223,9 +222,10 @@ def add_eval(sub) -> None:
                    "(default: 2)")
     e.add_argument("--seed", type=integer(0), default=0,
                    help="which pydoc_data windows and generated samples (default: 0)")
-    e.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
-                   help="a Kascade plan JSON for the kascade strategies, as kascade calibrate writes (default: the "
-                   "shipped plan for the model, else a uniform one)")
+    e.add_argument("--plan", default=None, type=plan_arg, metavar="FILE|NAME",
+                   help="the plan of the kascade strategies: a Kascade plan JSON, as kascade calibrate writes, or the "
+                   f"name of a plan shipped for the model ({', '.join(SHIPPED_VARIANTS)}) (default: the shipped plan "
+                   "for the model, else a uniform one)")
     e.add_argument("--ratio", type=number(0.0, 1.0), default=None,
                    help="the budget's fraction of keys, for every strategy, in (0, 1] (default: each plan's own); "
                    "a plan with per-layer budgets (the default model's shipped plan) scales it per layer, so its "
@@ -323,8 +323,9 @@ bench.png (TTFT and ITL against context length) into --out after every configura
     b.add_argument("--backend", default=dflt.backend, choices=("auto", "triton", "reference"),
                    help=f"passed to kascade.enable: auto (Triton on CUDA where supported, else the reference), "
                    f"triton or reference (default: {dflt.backend})")
-    b.add_argument("--plan", default=None, type=plan_file, metavar="FILE",
-                   help="a Kascade plan JSON used for every selected model (it must match each one's shape)")
+    b.add_argument("--plan", default=None, type=plan_arg, metavar="FILE|NAME",
+                   help="a Kascade plan JSON used for every selected model (it must match each one's shape), or the "
+                   f"name of a shipped plan ({', '.join(SHIPPED_VARIANTS)}; only the default model has shipped plans)")
     b.add_argument("--seed", type=integer(0), default=0, help="seed of the random prompt token ids (default: 0)")
     b.add_argument("--memory-limit", type=number(0.0), default=None,
                    help="GB a configuration may use, weights included (default: the GPU's free memory plus what this "

@@ -79,14 +79,18 @@ def device(value):
     return value
 
 
-def plan_file(value):
-    """An argparse type: the path of a readable Kascade plan JSON (read once here to refuse anything else)."""
-    from ..plan import KascadePlan
+def plan_arg(value):
+    """An argparse type: the name of a shipped plan (returned as it is: which plan it names depends on the model) or
+    the path of a readable Kascade plan JSON (read once here to refuse anything else)."""
+    from ..plan import SHIPPED_VARIANTS, KascadePlan
 
+    if value in SHIPPED_VARIANTS:
+        return value
     try:
         KascadePlan.load(value)
     except (ValueError, TypeError, OSError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"{e} (give a plan file or a shipped plan: {', '.join(SHIPPED_VARIANTS)})") \
+            from None
     return value
 
 

@@ -25,7 +25,7 @@ from .. import models, text
 from ..fidelity import DenseReference
 from ..files import output_folder
 from ..integration.hf import enable
-from ..plan import KascadePlan, ModelFingerprint
+from ..plan import SHIPPED_VARIANTS, ModelFingerprint, resolve_plan
 from ..text import load_texts
 from . import longbench, ruler
 from .results import FIDELITY, Results, _digest
@@ -177,7 +177,8 @@ class Settings:
     lengths: tuple[int, ...] = (2048,)
     samples: int = 2
     seed: int = 0
-    plan: str | Path | None = None  # plan JSON of the kascade strategies (None: the shipped plan)
+    plan: str | Path | None = None  # the kascade strategies' plan: a JSON file or a shipped plan's name (None: the
+    # model's shipped plan)
     ratio: float | None = None  # budget overrides for every strategy
     k_min: int | None = None
     omnikv_layer: int = 2
@@ -247,8 +248,9 @@ class Settings:
     def defining(self) -> dict:
         """The settings a row's values depend on (beyond its strategy, task, length and sample): a folder holds rows
         of one such record (:class:`Results`). Files count by their content."""
-        d = dict(model=str(self.model) if self.model is not None else "default", dtype=str(self.dtype),
-                 seed=self.seed, samples=self.samples, plan=_digest(self.plan), ratio=self.ratio, k_min=self.k_min,
+        d = dict(model=str(Path(self.model).expanduser().resolve()) if self.model is not None else "default",
+                 dtype=str(self.dtype), seed=self.seed, samples=self.samples,
+                 plan=self.plan if self.plan in SHIPPED_VARIANTS else _digest(self.plan), ratio=self.ratio, k_min=self.k_min,
                  omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
         if self.data is not None:
             d.update(text_field=self.text_field, skip_texts=self.skip_texts)
@@ -279,7 +281,6 @@ def evaluate(settings: Settings, *, progress: bool = True) -> dict:
 
 
 def _evaluate(s: Settings, out, progress: bool) -> dict:
-    plan = KascadePlan.load(s.plan) if s.plan is not None else None
     texts = load_texts(s.data, s.text_field) if s.data is not None else None
     if texts is not None and len(texts) <= s.skip_texts:
         raise ValueError(f"{s.data} holds {len(texts)} text(s); --skip-texts {s.skip_texts} leaves none")
@@ -299,6 +300,7 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
             print(note)
         shape = SimpleNamespace(config=config)  # what the strategies read of a model
         fp = ModelFingerprint.from_config(config)
+        plan = None if s.plan is None else resolve_plan(s.plan, fp)
         if plan is not None and plan.fingerprint != fp:
             raise ValueError(f"--plan {s.plan} was made for another model: "
                              + "; ".join(plan.fingerprint.differences(fp)))
@@ -313,12 +315,12 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
             if max(s.lengths) > have:
                 raise ValueError(f"--lengths {max(s.lengths)} is longer than the evaluation text of pydoc_data.topics "
                                  f"({have} tokens for this tokenizer)")
-        ready.append((strategies, windows))
+        ready.append((strategies, windows, plan))
 
     model, tok = models.load_model(s.model, device=s.device, dtype=s.dtype, check=prepare)
     if not ready:  # a loader that does not call ``check``
         prepare(model.config, tok)
-    strategies, windows = ready[0]
+    strategies, windows, plan = ready[0]
     run(model, tok, strategies=strategies, tasks=tasks, lengths=s.lengths, samples=s.samples, seed=s.seed,
         plan=plan, budget=s.budget, longbench_file=s.longbench, longbench_limit=s.longbench_limit,
         omnikv_layer=s.omnikv_layer, progress=progress, windows=windows, results=results)

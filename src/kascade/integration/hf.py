@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .. import ops
-from ..plan import KascadePlan, ModelFingerprint, default_plan, shipped_plan
+from ..plan import KascadePlan, ModelFingerprint, resolve_plan
 from .functions import ATTN_NAME, register
 from ..attention import Attention
 from ..tensor_parallel import head_shard
@@ -161,7 +161,8 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
 
     ``plan=None`` takes the calibrated plan shipped for this model's shape if there is one, else the uncalibrated
     uniform plan (with a warning); a string names a shipped variant (``kascade.plan.SHIPPED_VARIANTS``: "default",
-    "searched", "faithful" = the paper's method). ``backend``: "auto" (default: the Triton kernels on CUDA when
+    "searched", "faithful" = the paper's method, ...) or is the path of a plan file (``kascade calibrate``'s
+    plan.json; :func:`kascade.plan.resolve_plan`). ``backend``: "auto" (default: the Triton kernels on CUDA when
     they support the model's dtype and shapes, else the PyTorch reference), "triton" (an error where it cannot run) or
     "reference"; ``handle.runtime.backend`` says which one runs. Use as ``with kascade.enable(model): ...`` or keep
     the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see
@@ -173,12 +174,7 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     """
     check_supported(model)
     backend = resolve_backend(model, backend)
-    if plan is None:
-        plan = default_plan(model)
-    elif isinstance(plan, str):
-        plan = shipped_plan(model, plan)
-    if not isinstance(plan, KascadePlan):
-        raise TypeError(f"plan must be a KascadePlan or the name of a shipped variant, got {type(plan).__name__}")
+    plan = resolve_plan(plan, model)
     plan.check_model(model)
     fp = plan.fingerprint
     shard = head_shard(attention_modules(model), fp.num_kv_heads, fp.head_dim)

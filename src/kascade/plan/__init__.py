@@ -4,6 +4,7 @@ and a model's default plan (:mod:`.shipped`)."""
 
 from .kascade_plan import KascadePlan, ModelFingerprint
 from .reuse_rule import Reuse
-from .shipped import SHIPPED_VARIANTS, default_plan, shipped_plan, shipped_plans
+from .shipped import SHIPPED_VARIANTS, default_plan, resolve_plan, shipped_plan, shipped_plans
 
-__all__ = ["KascadePlan", "ModelFingerprint", "Reuse", "SHIPPED_VARIANTS", "default_plan", "shipped_plan", "shipped_plans"]
+__all__ = ["KascadePlan", "ModelFingerprint", "Reuse", "SHIPPED_VARIANTS", "default_plan", "resolve_plan", "shipped_plan",
+           "shipped_plans"]

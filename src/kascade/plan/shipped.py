@@ -6,7 +6,9 @@ can name (``enable(model, plan="faithful")``).
 
 from __future__ import annotations
 
+import os
 from importlib import resources
+from pathlib import Path
 
 from .kascade_plan import KascadePlan, ModelFingerprint
 
@@ -36,9 +38,14 @@ def shipped_plans(variant: str = "default") -> list[KascadePlan]:
             if f.name.endswith(".json")]
 
 
+def _fingerprint(model) -> ModelFingerprint:
+    return model if isinstance(model, ModelFingerprint) else ModelFingerprint.from_model(model)
+
+
 def shipped_plan(model, variant: str = "default") -> KascadePlan:
-    """The shipped ``variant`` plan for ``model``'s shape; ValueError (listing what exists) if there is none."""
-    fp = ModelFingerprint.from_model(model)
+    """The shipped ``variant`` plan for ``model``'s shape (a model or its :class:`ModelFingerprint`); ValueError
+    (listing what exists) if there is none."""
+    fp = _fingerprint(model)
     for plan in shipped_plans(variant):
         if plan.fingerprint == fp:
             return plan
@@ -48,9 +55,32 @@ def shipped_plan(model, variant: str = "default") -> KascadePlan:
 
 
 def default_plan(model, num_anchors: int = 6) -> KascadePlan:
-    """The shipped calibrated plan whose fingerprint matches ``model``, else the uncalibrated uniform plan."""
-    fp = ModelFingerprint.from_model(model)
+    """The shipped calibrated plan whose fingerprint matches ``model`` (a model or its :class:`ModelFingerprint`),
+    else the uncalibrated uniform plan."""
+    fp = _fingerprint(model)
     for plan in shipped_plans():
         if plan.fingerprint == fp:
             return plan
     return KascadePlan.uniform(fp, num_anchors=min(num_anchors, fp.num_layers))
+
+
+def resolve_plan(plan, model) -> KascadePlan:
+    """What ``enable`` and the commands' ``--plan`` take, as a plan for ``model`` (a model or its fingerprint):
+    None (the model's default plan), a :class:`KascadePlan`, the name of a shipped variant (:data:`SHIPPED_VARIANTS`)
+    or the path of a plan JSON file (as ``kascade calibrate`` writes; a name wins over a file of the same name in
+    the working folder). ValueError saying which of these ``plan`` is not; the plan is not checked against the model
+    here."""
+    if plan is None:
+        return default_plan(model)
+    if isinstance(plan, KascadePlan):
+        return plan
+    if isinstance(plan, str) and plan in SHIPPED_VARIANTS:
+        return shipped_plan(model, plan)
+    if isinstance(plan, (str, os.PathLike)):
+        path = Path(plan).expanduser()
+        if path.exists() or path.suffix == ".json" or len(path.parts) > 1:
+            return KascadePlan.load(path)
+        raise ValueError(f"plan {str(plan)!r} is neither a shipped plan ({', '.join(SHIPPED_VARIANTS)}) nor a plan "
+                         "file (no file there)")
+    raise TypeError(f"plan must be a KascadePlan, the name of a shipped plan or a plan file's path, got "
+                    f"{type(plan).__name__}")
