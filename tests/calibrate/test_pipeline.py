@@ -41,8 +41,13 @@ def test_settings_refuse_rules_that_fail_only_after_the_statistics(changes, need
 
 
 def test_settings_refuse_what_cannot_run():
-    with pytest.raises(ValueError, match="--seq-len 40 is too short: at least 65"):
+    with pytest.raises(ValueError, match="--seq-len 40 is too short: at least 96"):
         pipeline.Settings(seq_len=40)
+    with pytest.raises(ValueError, match="--seq-len 65 is too short: at least 96"):  # 65 passed, 1 query scored
+        pipeline.Settings(seq_len=65)
+    assert pipeline.Settings(seq_len=96).seq_len == 96  # --help: "at least one --tile after --k keys"
+    with pytest.raises(ValueError, match="--seq-len 79 is too short: at least 80"):
+        pipeline.Settings(seq_len=79, k=50, tile=16)
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         pipeline.Settings(method="magic")
     with pytest.raises(ValueError, match=r"--rule: unknown reuse rule\(s\) \['magic'\]"):

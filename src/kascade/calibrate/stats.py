@@ -160,8 +160,9 @@ class StatsRecorder:
 
 
 def min_window_tokens(k: int, tile: int) -> int:
-    """Shortest window with at least one tile that has ``k`` earlier keys."""
-    return math.ceil(k / tile) * tile + 1
+    """Shortest window with one whole query tile after the first ``k`` keys (every query of it has ``k`` earlier
+    keys); a shorter window compares the layers' top-k sets on a handful of queries at most."""
+    return math.ceil(k / tile) * tile + tile
 
 
 def _decoder_layer_of(model, attn_module):

@@ -67,6 +67,7 @@ def add_calibrate(sub) -> None:
     from .. import costs
     from ..calibrate import target
     from ..calibrate.pipeline import Settings as CalibrationSettings
+    from ..calibrate.stats import min_window_tokens
 
     c = sub.add_parser(
         "calibrate",
@@ -88,7 +89,8 @@ def add_calibrate(sub) -> None:
     c.add_argument("--text-field", default=cal.text_field,
                    help=f"with a JSONL --data: the field holding the text (default: {cal.text_field})")
     c.add_argument("--seq-len", type=positive(), default=cal.seq_len,
-                   help=f"tokens per development window; at least one --tile after --k keys (default: {cal.seq_len})")
+                   help="tokens per development window; at least one whole --tile after --k keys (--k rounded up "
+                   f"to tiles), {min_window_tokens(cal.k, cal.tile)} at the defaults (default: {cal.seq_len})")
     c.add_argument("--samples", type=positive(), default=cal.samples,
                    help=f"development windows the statistics are averaged over (default: {cal.samples})")
     g = c.add_mutually_exclusive_group()
