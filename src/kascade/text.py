@@ -9,6 +9,7 @@ is calibrated on never overlap the windows it is judged on. :func:`load_texts` r
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -94,20 +95,24 @@ def _free_starts(n: int, length: int, spans: list[tuple[int, int]]) -> list[int]
     return out
 
 
-def cut_windows(tokenizer, texts, length: int, count: int) -> list[torch.Tensor]:
-    """The first ``count`` windows of ``length`` tokens cut one after another from ``texts`` in order: each text's
-    tokens from its start, the tail of a text too short for another window left out (no window spans two texts).
-    Fewer than ``count`` when the texts run out; texts after the last window needed are not tokenized."""
-    if length < 1 or count < 1:
-        raise ValueError(f"length and count must be >= 1, got {length}, {count}")
-    out = []
-    for t in texts:
+def iter_windows(tokenizer, texts, length: int):
+    """``(text index, window)`` for the windows of ``length`` tokens cut one after another from ``texts`` in order:
+    each text's tokens from its start, the tail of a text too short for another window left out (no window spans two
+    texts). Texts are tokenized as the windows are asked for."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    for i, t in enumerate(texts):
         ids = tokenizer(t, add_special_tokens=False).input_ids
         for s in range(0, len(ids) - length + 1, length):
-            out.append(torch.tensor(ids[s : s + length], dtype=torch.long))
-            if len(out) == count:
-                return out
-    return out
+            yield i, torch.tensor(ids[s : s + length], dtype=torch.long)
+
+
+def cut_windows(tokenizer, texts, length: int, count: int) -> list[torch.Tensor]:
+    """The first ``count`` windows of :func:`iter_windows`; fewer when the texts run out (texts after the last window
+    needed are not tokenized)."""
+    if length < 1 or count < 1:
+        raise ValueError(f"length and count must be >= 1, got {length}, {count}")
+    return [w for _, w in itertools.islice(iter_windows(tokenizer, texts, length), count)]
 
 
 def iter_jsonl(path: str | Path):

@@ -73,16 +73,17 @@ def test_calibrate_input_errors(tmp_path, monkeypatch, default_model, capsys):
     nofield.write_text('{"text": "a b c"}\n{"body": "x"}\n')
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "only a few words"}\n')
-    two = tmp_path / "two.jsonl"
-    two.write_text("".join(json.dumps({"text": f"Text {i}: " + "the quick brown fox jumps over it. " * 40}) + "\n"
-                           for i in range(2)))
+    one = tmp_path / "one.jsonl"  # one text of several windows
+    one.write_text(json.dumps({"text": "Text: " + "the quick brown fox jumps over it. " * 40}) + "\n")
     cases = [
         # the search scores plans on other texts than the statistics': with --data, the ones after them
-        (["--data", str(two), "--samples", "2", "--seq-len", "120", "--method", "search", "--search-windows", "1"],
-         "3 are needed (--samples, --holdout and --search-windows)"),
+        (["--data", str(one), "--samples", "2", "--seq-len", "120", "--method", "search", "--search-windows", "1"],
+         "the texts after the first 1 hold 0 window(s) of 120 tokens (a window lies within one text); "
+         "--search-windows (after the statistics' texts) need 1"),
         (["--data", str(empty)], "empty"),
         (["--data", str(nofield), "--samples", "2"], "nofield.jsonl:2: no 'text' field"),
-        (["--data", str(short), "--samples", "1", "--seq-len", "200"], "text 1 has 4 tokens; a window of 200"),
+        (["--data", str(short), "--samples", "1", "--seq-len", "200"],
+         "short.jsonl: the texts hold 0 window(s) of 200 tokens (a window lies within one text); --samples need 1"),
         (["--anchors", "31"], "--anchors must be in 1..30"),
         (["--seq-len", "40"], "too short"),
     ]
@@ -198,7 +199,18 @@ def test_target_agreement_needs_no_anchor_count_the_model_cannot_hold(tmp_path, 
     plan = KascadePlan.load(tmp_path / "o" / "plan.json")
     assert plan.calibrated and 2 <= len(plan.anchors) <= 3
     out = capsys.readouterr().out
-    assert f"used texts 1..3 of {data}" in out and f"kascade eval --data {data} --skip-texts 3" in out
+    # 3 windows of 96 tokens in each 300-token text: the statistics' 2 and the held-out 1 all come from text 1
+    assert f"used texts 1..1 of {data}" in out and f"kascade eval --data {data} --skip-texts 1" in out
+
+
+def test_calibrating_on_every_text_advises_other_texts_for_eval(tmp_path, tiny, capsys):
+    """One text of the file makes every window: the advice was `kascade eval --skip-texts 1`, which eval refuses
+    (nothing left)."""
+    data = texts_file(tmp_path / "d.jsonl", 1, chars=700)
+    assert main(["calibrate", *TINY, *ANCHORS, "--data", str(data), "--samples", "6", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert f"used texts 1..1 of {data} (6 statistics, 0 held-out and 0 search window(s) per length)" in out
+    assert "every text of" in out and "--skip-texts" not in out
 
 
 @pytest.mark.parametrize("argv,needle", [

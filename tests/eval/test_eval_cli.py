@@ -218,14 +218,21 @@ def test_eval_data_windows_are_disjoint_from_the_calibration_windows(tmp_path, t
     monkeypatch.setattr(pipeline, "load_model", kascade.models.load_model)  # the tiny model
     data = texts_file(tmp_path / "d.jsonl", 7)
     made = []
-    real_dev = pipeline.dev_windows
-    monkeypatch.setattr(pipeline, "dev_windows", lambda *a, **k: made.extend(real_dev(*a, **k)) or made[-k["count"]:])
+    real_cut = pipeline.data_windows
+
+    def spy(*a, **k):
+        wins, used = real_cut(*a, **k)
+        made.extend(wins)
+        return wins, used
+
+    monkeypatch.setattr(pipeline, "data_windows", spy)
     assert main(["calibrate", "--data", str(data), "--seq-len", "96", "--k", "8", "--tile", "16", "--k-min", "8",
                  "--samples", "2", "--target-agreement", "0.01", "--holdout", "1", "--max-anchors", "3",
                  "--method", "search", "--search-windows", "1", "--search-evals", "2",
                  "--out", str(tmp_path / "c")]) == 0
     skip = int(re.search(r"--skip-texts (\d+)", capsys.readouterr().out).group(1))
-    assert skip == 4 and len(made) == 4
+    # 3 windows of 96 tokens per 300-token text: statistics and held-out from text 1, the search's from text 2
+    assert skip == 2 and len(made) == 4
 
     evaluated = []
     real_fid = runner.Session.fidelity
@@ -247,11 +254,13 @@ def test_eval_data_windows_are_disjoint_from_the_calibration_windows(tmp_path, t
         return found[0]
 
     calibrated = {source(w)[0] for w in made}
-    assert calibrated == {0, 1, 2, 3}
+    assert calibrated == {0, 1}
     assert {source(w)[0] for w in evaluated} <= set(range(skip, 7))
     # without --skip-texts the same windows would have overlapped the calibration's
     plain = [json.loads(x)["text"] for x in data.read_text().splitlines()]
     assert {source(w)[0] for w in runner.data_windows(tok, plain, [48], 3)[48]} & calibrated
+    # calibrate cuts its windows as eval does (it took one window per text)
+    assert [w.tolist() for w in made[:3]] == [w.tolist() for w in kascade.text.cut_windows(tok, plain, 96, 3)]
 
 
 def test_a_refused_run_leaves_no_folder_it_made(tmp_path, tiny, capsys):

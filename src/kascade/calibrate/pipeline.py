@@ -10,16 +10,18 @@ DP's anchors and the argmax head map; ``any-anchor``, ``union2``, ``sinks``, ``l
 on the development windows of every length together, then per-layer budgets from each layer's measured sensitivity
 on the same windows, :mod:`kascade.calibrate.budgets`).
 
-With ``Settings.data`` the windows are the first tokens of the file's texts, taken from its start: ``samples`` for
-the statistics, then ``holdout`` held-out ones (with ``target_agreement``), then ``search_windows`` for the search
-(``search`` / ``measured``); ``Settings.texts_used`` counts them, and ``kascade eval --data FILE --skip-texts N``
-evaluates on the texts after them. ``Settings.tensor_parallel`` makes the plan shard-local for that many
+With ``Settings.data`` the windows are cut one after another from the file's texts, from its start, as ``kascade
+eval --data`` cuts them (a long text gives several windows, none spans two texts): ``samples`` for the statistics,
+then ``holdout`` held-out ones (with ``target_agreement``), then, from the texts after all of theirs,
+``search_windows`` for the search (``search`` / ``measured``); the report says how many texts they reach into, and
+``kascade eval --data FILE --skip-texts N`` evaluates on the texts after them. ``Settings.tensor_parallel`` makes the plan shard-local for that many
 tensor-parallel ranks (:meth:`kascade.KascadePlan.for_tensor_parallel`, by the statistics' similarity).
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -57,16 +59,30 @@ def method_problem(name) -> str | None:
 def dev_windows(tok, *, data=None, field="text", seq_len: int, count: int, seed: int = 0, skip: int = 0,
                 need: str = "--samples plus --holdout", texts: list[str] | None = None,
                 avoid: list | None = None) -> list[torch.Tensor]:
-    """``count`` token windows of ``seq_len`` tokens: from the user's texts (the first ``seq_len`` tokens of each,
-    at most: the caller refuses a shorter one; after the first ``skip`` texts; ``texts``, when given, are the
-    file's, already loaded) or from the development split of pydoc_data.topics (``seed`` picks; ``avoid``: windows
-    these must not share tokens with, :func:`kascade.text.windows`)."""
+    """``count`` token windows of ``seq_len`` tokens: from the user's texts (:func:`data_windows`, after the first
+    ``skip`` texts; ``texts``, when given, are the file's, already loaded) or from the development split of
+    pydoc_data.topics (``seed`` picks; ``avoid``: windows these must not share tokens with,
+    :func:`kascade.text.windows`)."""
     if data is None:
         return text.windows(tok, "dev", seq_len, count, seed=seed, avoid=avoid)
     texts = load_texts(data, field) if texts is None else texts
-    if len(texts) < skip + count:
-        raise ValueError(f"{data} holds {len(texts)} texts; {skip + count} are needed ({need})")
-    return [torch.tensor(tok(t, add_special_tokens=False).input_ids[:seq_len]) for t in texts[skip : skip + count]]
+    return data_windows(tok, texts, seq_len, count, skip=skip, need=need, source=data)[0]
+
+
+def data_windows(tok, texts: list[str], seq_len: int, count: int, *, skip: int = 0, need: str = "--samples",
+                 source="--data") -> tuple[list[torch.Tensor], int]:
+    """``count`` windows of ``seq_len`` tokens cut one after another from ``texts[skip:]``, as ``kascade eval --data``
+    cuts them (:func:`kascade.text.iter_windows`: a long text gives several, none spans two texts), and how many
+    texts from the file's start they reach into (``skip`` included): ``kascade eval --skip-texts`` that many
+    evaluates on other texts. ValueError (``need`` names the settings that asked for them) when the texts hold too
+    few."""
+    got = list(itertools.islice(text.iter_windows(tok, texts[skip:], seq_len), count))
+    if len(got) < count:
+        after = f" after the first {skip}" if skip else ""
+        raise ValueError(f"{source}: the texts{after} hold {len(got)} window(s) of {seq_len} tokens (a window lies "
+                         f"within one text); {need} need {count}: give more text, fewer windows or a shorter --seq-len "
+                         "/ --lengths")
+    return [w for _, w in got], skip + got[-1][0] + 1
 
 
 def plan_from_method(method: str, model, stats_by_length: dict[int, CalibrationStats], num_anchors: int, *,
@@ -200,14 +216,8 @@ class Settings:
 
     @property
     def search_texts(self) -> int:
-        """Texts of ``data`` that the anchor search scores plans on (``search`` / ``measured`` only)."""
+        """Windows per length that the anchor search scores plans on (``search`` / ``measured`` only)."""
         return self.search_windows if self.method in ("search", "measured") else 0
-
-    @property
-    def texts_used(self) -> int:
-        """How many texts of ``data``, from its start, the calibration reads: the statistics', then the held-out
-        ones, then the search's. ``kascade eval --data FILE --skip-texts N`` evaluates on the texts after them."""
-        return self.samples + self.holdout_windows + self.search_texts
 
     @property
     def lengths_to_run(self) -> list[int]:
@@ -235,32 +245,39 @@ class _Windows:
     stats: list  # the statistics' windows, then the held-out ones
     by_length: dict  # other calibration lengths: {n: windows} for the statistics at n
     search: dict | None  # {n: windows} the search scores plans on
+    texts_used: int | None = None  # with --data: the texts the windows reach into, from the file's start
 
 
 def _windows(s: Settings, tok, texts: list[str] | None) -> _Windows:
-    def make(seq_len, count, **kw):
-        return dev_windows(tok, data=s.data, field=s.text_field, seq_len=seq_len, count=count, texts=texts, **kw)
-
-    first = s.samples + s.holdout_windows  # the texts (with --data) of the statistics and the holdout
-    wins = make(s.seq_len, first, seed=s.seed)
-    by_len, search = {}, None
-    if s.method != "faithful":
-        by_len = {n: make(n, s.samples, seed=s.seed) for n in s.lengths_to_run if n != s.seq_len}
+    first = s.samples + s.holdout_windows  # the statistics' windows, then the holdout's
+    others = [n for n in s.lengths_to_run if n != s.seq_len] if s.method != "faithful" else []
+    if texts is None:  # pydoc_data.topics' development split
+        wins = dev_windows(tok, seq_len=s.seq_len, count=first, seed=s.seed)
+        by_len = {n: dev_windows(tok, seq_len=n, count=s.samples, seed=s.seed) for n in others}
+        search = None
+        if s.search_texts:
+            # scored on other development windows than the statistics' and the holdout's (another seed, away from
+            # theirs)
+            taken = [*wins, *(w for ws in by_len.values() for w in ws)]
+            search = {n: dev_windows(tok, seq_len=n, count=s.search_windows, seed=s.seed + 11, avoid=taken)
+                      for n in s.lengths_to_run}
+        return _Windows(wins, by_len, search)
+    # the user's texts, from the file's start: the statistics (and holdout) at every length, then the search's
+    # windows from the texts after all of theirs
+    need = "--samples plus --holdout" if s.holdout_windows else "--samples"
+    wins, used = data_windows(tok, texts, s.seq_len, first, need=need, source=s.data)
+    by_len = {}
+    for n in others:
+        by_len[n], u = data_windows(tok, texts, n, s.samples, source=s.data)
+        used = max(used, u)
+    search = None
     if s.search_texts:
-        # scored on other development windows than the statistics' and the holdout's (another seed, away from
-        # theirs; with --data, the texts after theirs)
-        taken = [*wins, *(w for ws in by_len.values() for w in ws)]
-        search = {n: make(n, s.search_windows, seed=s.seed + 11, skip=first,
-                          need="--samples, --holdout and --search-windows", avoid=taken) for n in s.lengths_to_run}
-    # windows of the data's texts 1, 2, ...; pydoc's are full. A text shorter than its window is refused (the
-    # statistics would average windows of other lengths than asked), as kascade eval refuses it
-    for n, ws, text0 in [(s.seq_len, wins, 0), *((n, ws, 0) for n, ws in by_len.items()),
-                         *((n, ws, first) for n, ws in (search or {}).items())]:
-        for i, w in enumerate(ws):
-            if len(w) < n:
-                raise ValueError(f"{s.data}: text {text0 + i + 1} has {len(w)} tokens; a window of {n} "
-                                 f"(--seq-len / --lengths) lies within one text: give longer texts or shorter windows")
-    return _Windows(wins, by_len, search)
+        search, stats_used = {}, used
+        for n in s.lengths_to_run:
+            search[n], u = data_windows(tok, texts, n, s.search_windows, skip=stats_used, source=s.data,
+                                        need="--search-windows (after the statistics' texts)")
+            used = max(used, u)
+    return _Windows(wins, by_len, search, texts_used=used)
 
 
 def run(settings: Settings) -> dict:
@@ -275,12 +292,7 @@ def run(settings: Settings) -> dict:
 
 
 def _run(s: Settings, out: Path) -> dict:
-    texts = None
-    if s.data is not None:
-        texts = load_texts(s.data, s.text_field)
-        if len(texts) < s.texts_used:
-            need = "--samples, --holdout and --search-windows" if s.search_texts else "--samples plus --holdout"
-            raise ValueError(f"{s.data} holds {len(texts)} texts; {s.texts_used} are needed ({need})")
+    texts = None if s.data is None else load_texts(s.data, s.text_field)
     ready: list[_Windows] = []
 
     def prepare(config, tok):
@@ -322,7 +334,7 @@ def _run(s: Settings, out: Path) -> dict:
         moved = len(plan.crossing_links(s.tensor_parallel))
         plan = plan.for_tensor_parallel(s.tensor_parallel, stats.similarity)
     r = dict(plan=plan, stats=stats, table=table, out=out, measured=measured, settings=s, moved_links=moved,
-             joint=joint)
+             joint=joint, texts_used=wins.texts_used, texts=None if texts is None else len(texts))
     r["pictures"] = write(r)
     return r
 
@@ -407,12 +419,15 @@ def report(r: dict) -> str:
     if r.get("moved_links") is not None:
         lines.append(f"      shard-local for {plan.tensor_parallel} tensor-parallel ranks: {r['moved_links']} links "
                      "that crossed ranks follow the most similar anchor head of their own rank")
-    s = r.get("settings")
-    if s is not None and s.data is not None:
-        n = s.texts_used
-        lines.append(f"used texts 1..{n} of {s.data} (statistics {s.samples}, held-out {s.holdout_windows}, search "
-                     f"{s.search_texts}); to evaluate on the texts after them: kascade eval --data {s.data} "
-                     f"--skip-texts {n}")
+    s, n = r.get("settings"), r.get("texts_used")
+    if s is not None and n is not None:
+        lines.append(f"used texts 1..{n} of {s.data} ({s.samples} statistics, {s.holdout_windows} held-out and "
+                     f"{s.search_texts} search window(s) per length)")
+        if n < r["texts"]:
+            lines.append(f"to evaluate on the texts after them: kascade eval --data {s.data} --skip-texts {n}")
+        else:
+            lines.append(f"every text of {s.data} went into the calibration: evaluate the plan on other texts "
+                         "(kascade eval --data OTHER_FILE), never on windows it was calibrated on")
     for row in r.get("joint") or ():
         x = ", ".join(f"{m} {v:.2f}x" for m, v in row["speedups"].items())
         mark = " <- chosen" if row["anchors"] == list(plan.anchors) else ""

@@ -83,9 +83,10 @@ def add_calibrate(sub) -> None:
     cal = CalibrationSettings()
     c.add_argument("--data", default=None, type=file, metavar="FILE",
                    help="development texts: a JSONL file (.jsonl or .json: one object per line, the text under "
-                   "--text-field) or a plain-text file (one text). Each window is the first --seq-len tokens of one "
-                   "text (a shorter text is refused), taken in file order: --samples texts for the statistics, then --holdout, then "
-                   "--search-windows (default: the development split of Python's pydoc_data.topics)")
+                   "--text-field) or a plain-text file (one text). Windows of --seq-len tokens are cut one after "
+                   "another from the texts in file order, as kascade eval --data cuts them (a long text gives several; "
+                   "none spans two texts): --samples windows for the statistics, then --holdout, then, from the texts "
+                   "after theirs, --search-windows (default: the development split of Python's pydoc_data.topics)")
     c.add_argument("--text-field", default=cal.text_field,
                    help=f"with a JSONL --data: the field holding the text (default: {cal.text_field})")
     c.add_argument("--seq-len", type=positive(), default=cal.seq_len,
