@@ -44,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import torch
+    try:
+        import torch
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # while torch and the commands' modules load (the first second or two)
+        print("kascade: interrupted", file=sys.stderr)
+        return 130
     try:
         return args.func(args)
     except (ValueError, OSError, MemoryError, torch.OutOfMemoryError) as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..plan import SHIPPED_VARIANTS
 from .types import csv_of, device, file, integer, method, model_args, number, plan_arg, positive, rule  # noqa: F401
 
 
@@ -20,6 +19,7 @@ def run_demo(args) -> int:
 
 
 def add_demo(sub) -> None:
+    from ..plan import SHIPPED_VARIANTS
     d = sub.add_parser(
         "demo",
         help="answer a needle question over a long prompt, densely and with Kascade, and compare",
@@ -190,6 +190,7 @@ def run_eval(args) -> int:
 
 
 def add_eval(sub) -> None:
+    from ..plan import SHIPPED_VARIANTS
     from ..eval.results import ROWS
     from ..eval.runner import MIN_RULER_LENGTH, TASKS
     from ..eval.strategies import STRATEGIES
@@ -271,6 +272,7 @@ def run_bench(args) -> int:
 
 
 def add_bench(sub) -> None:
+    from ..plan import SHIPPED_VARIANTS
     from ..bench import MODELS, Settings
 
     dflt = Settings()
