@@ -217,6 +217,7 @@ def test_take_heads_follows_the_head_map():
     (lambda q, k, v: kj.dense_attention(q, k, v, scale=float("nan")), "finite real number"),
     (lambda q, k, v: kj.dense_attention(q, k, v, scale=jnp.asarray(float("inf"))), "finite real number"),
     (lambda q, k, v: kj.dense_attention(q, k[:, :, :0], v[:, :, :0]), "no keys"),
+    (lambda q, k, v: kj.dense_attention(q[:, :0], k, v), r"no query heads \(HQ == 0\)"),
     (lambda q, k, v: kj.dense_attention(q[..., :0], k[..., :0], v[..., :0]), "empty head dim"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_refused(call, needle):
@@ -232,3 +233,34 @@ def test_a_traced_scale_is_taken_under_jit():
     jitted = jax.jit(lambda q, k, v, s: kj.dense_attention(q, k, v, scale=s))
     np.testing.assert_allclose(np.asarray(jitted(q, k, v, 0.3)), np.asarray(kj.dense_attention(q, k, v, scale=0.3)),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["decode future", "prefill own tile", "before kv_start", "twice", "padding first"])
+def test_a_selection_naming_keys_its_row_may_not_attend_is_refused_as_by_torch(case):
+    """kascade.jax.sparse_attention took a selection holding future keys (the torch op refuses it)."""
+    decode = case == "decode future"
+    L, q_offset = (1, 30) if decode else (16, 24)  # a cache of 40 slots; sequence 1 starts at slot 5
+    q, k, v, _, _ = _inputs((2, 4, 2, 40, L, q_offset, 16), seed=3)
+    geo = dict(kv_start=[0, 5], q_offset=q_offset)
+    qj, kj_, vj = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    sel = kj.select(qj, kj_, budget=Budget(k_min=12, tile=8), **geo)
+    idx = np.asarray(sel.indices).copy()
+    row = idx[1, 0, -1]  # sequence 1, head 0, last row
+    if decode:
+        row[0], needle = 35, "slot 35 .* is not a key that row may attend"  # after the query at slot 30
+    elif case == "prefill own tile":
+        row[0], needle = 38, "slot 38 .* is not a key that row may attend"  # in the row's own tile: slots 37..
+    elif case == "before kv_start":
+        row[0], needle = 2, "slot 2 .* is not a key that row may attend"  # left padding of sequence 1
+    elif case == "twice":
+        row[1], needle = row[0], "names the same key twice"
+    else:
+        row[0], needle = -1, "-1 padding only at the end"
+    bad = kj.Selection(indices=jnp.asarray(idx), row_start=sel.row_start, tile=sel.tile, decode=sel.decode)
+    with pytest.raises(ValueError, match=needle):
+        kj.sparse_attention(qj, kj_, vj, bad, **geo)
+    as_torch = ops.Selection(indices=torch.tensor(idx).long(), row_start=torch.tensor(np.asarray(sel.row_start)).long(),
+                             tile=sel.tile, decode=decode)
+    with pytest.raises(ValueError, match=needle):  # the refusal the torch op gives
+        ops.sparse_attention(*(torch.as_tensor(x, dtype=torch.float32) for x in (q, k, v)), as_torch, **geo)
+    np.testing.assert_array_equal(np.asarray(kj.sparse_attention(qj, kj_, vj, sel, **geo)).shape, (2, 4, L, 16))

@@ -36,6 +36,8 @@ def _qkv(B=2, HQ=4, H=2, L=40, N=40, D=16, seed=0, dtype=torch.float32):
     (lambda q, k, v: select(q, k, scale=float("inf")), "finite real number"),
     (lambda q, k, v: dense_attention(q, k, v, scale="0.25"), "finite real number"),
     (lambda q, k, v: dense_attention(q, k[:, :, :0], v[:, :, :0]), "no keys"),
+    (lambda q, k, v: dense_attention(q[:, :0], k, v), r"no query heads \(HQ == 0\)"),  # was a ZeroDivisionError
+    (lambda q, k, v: select(q[:, :0], k), r"no query heads \(HQ == 0\)"),
     (lambda q, k, v: dense_attention(q[..., :0], k[..., :0], v[..., :0]), "empty head dim"),
     (lambda q, k, v: dense_attention(q[:, :, :1], k, v, q_offset=2.0), "must be an integer"),
 ], ids=lambda x: x if isinstance(x, str) else "")

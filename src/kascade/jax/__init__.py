@@ -128,14 +128,39 @@ def _check_selection(sel, q, k, kv_start, q_offset) -> None:
     most = selection_shape(budget, L, q_offset)[0]
     if idx.shape[2] > most:
         raise ValueError(f"the selection has {idx.shape[2]} rows; {L} queries at slot {q_offset} span at most {most}")
-    if sel.decode or _traced(kv_start) or _traced(sel.row_start):
+    if _traced(kv_start) or _traced(sel.row_start) or _traced(idx):
         return
-    first, tiles = budget.tiles(q_offset + L - torch.tensor(np.asarray(kv_start), dtype=torch.long), L)
-    if not np.array_equal(np.asarray(sel.row_start), first.numpy()):
-        raise ValueError(f"the selection's rows start at tiles {np.asarray(sel.row_start).tolist()}, this call's "
-                         f"queries at {first.tolist()} (was it made for another chunk?)")
-    if idx.shape[2] < tiles.max():
-        raise ValueError(f"the selection has {idx.shape[2]} rows; this call's queries span {int(tiles.max())} tiles")
+    start = np.asarray(kv_start).reshape(B, 1, 1, 1)
+    if sel.decode:
+        end = np.full_like(start, q_offset + 1)
+    else:
+        first, tiles = budget.tiles(q_offset + L - torch.tensor(np.asarray(kv_start), dtype=torch.long), L)
+        if not np.array_equal(np.asarray(sel.row_start), first.numpy()):
+            raise ValueError(f"the selection's rows start at tiles {np.asarray(sel.row_start).tolist()}, this call's "
+                             f"queries at {first.tolist()} (was it made for another chunk?)")
+        if idx.shape[2] < tiles.max():
+            raise ValueError(f"the selection has {idx.shape[2]} rows; this call's queries span {int(tiles.max())} "
+                             "tiles")
+        rows = first.numpy().reshape(B, 1, 1, 1) + np.arange(idx.shape[2]).reshape(1, 1, -1, 1)
+        end = start + rows * sel.tile
+    _check_keys(np.asarray(idx), start, end)
+
+
+def _check_keys(idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+    """As the torch ops check a selection's values: every key one its row may see (``[start, end)``: from the
+    sequence's first valid key to the row's tile in prefill, to the query itself in decode), none twice, -1 padding
+    only at the end. ``idx`` in rank order (a ranked selection) is read as a set."""
+    pad = idx < 0
+    if (pad[..., :-1] & ~pad[..., 1:]).any():
+        raise ValueError("selection rows must hold their keys first and -1 padding only at the end")
+    srt = np.sort(np.where(pad, np.iinfo(idx.dtype).max, idx), axis=-1)
+    if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] != np.iinfo(idx.dtype).max)).any():
+        raise ValueError("a selection row names the same key twice")
+    bad = ~pad & ((idx < start) | (idx >= end))
+    if bad.any():
+        b, h, r, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"selection key slot {int(idx[b, h, r, j])} (sequence {b}, head {h}, row {r}) is not a key "
+                         f"that row may attend (valid: [{int(start[b, 0, 0, 0])}, {int(end[b, 0, min(r, end.shape[2] - 1), 0])}))")
 
 
 # ----------------------------------------------------------------------------------------------------------------

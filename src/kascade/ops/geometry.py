@@ -10,7 +10,7 @@ import numbers
 
 def check_shapes(q, k, v=None) -> None:
     """ValueError / TypeError naming what is wrong: 4-D arrays, ``k`` and ``v`` of one shape, one dtype, batch and
-    head dim shared, ``HQ`` a multiple of ``H``, and at least one query, key and head-dim entry (``B == 0`` is an
+    head dim shared, ``HQ`` a multiple of ``H``, and at least one query head, query, key and head-dim entry (``B == 0`` is an
     empty batch: allowed)."""
     arrays = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
     for name, x in arrays:
@@ -23,6 +23,8 @@ def check_shapes(q, k, v=None) -> None:
     Bk, H, N, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
+    if HQ == 0:
+        raise ValueError(f"q has no query heads (HQ == 0), got shape {tuple(q.shape)}")
     if H == 0 or HQ % H:
         raise ValueError(f"query heads ({HQ}) must be a multiple of KV heads ({H})")
     if L < 1:
