@@ -302,3 +302,10 @@ def test_a_plan_is_given_as_a_plan_a_shipped_name_or_a_file(tmp_path, monkeypatc
         resolve_plan("searched", FP)
     with pytest.raises(TypeError, match="got int"):
         resolve_plan(3, FP)
+
+
+def test_a_plan_file_that_is_not_utf8_is_named(tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_bytes(b'\xff\xfe{"format": "kascade-plan/3"}')
+    with pytest.raises(ValueError, match=f"the plan file {bad} is not UTF-8 text"):  # was a bare UnicodeDecodeError
+        KascadePlan.load(bad)

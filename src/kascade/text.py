@@ -119,7 +119,11 @@ def iter_jsonl(path: str | Path):
     """``(line number, object)`` for each non-blank line of a JSONL file; ValueError naming the line for bad JSON
     or a line that is not a JSON object."""
     path = Path(path)
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        raw = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -303,3 +303,11 @@ def test_resume_knows_the_model_folder_by_any_path(tmp_path, monkeypatch, capsys
     assert main(["eval", *argv, "--model", "m"]) == 0
     assert main(["eval", *argv, "--model", str(folder)]) == 0, capsys.readouterr().err
     assert main(["eval", *argv, "--model", "./m/"]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--plan", "--longbench"])
+def test_a_file_that_is_not_utf8_is_named_in_the_error(tmp_path, tiny, capsys, flag):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xff\xfe{"context": "x"}\n')
+    err = _error("eval", [flag, str(bad), "--out", str(tmp_path / "e")], capsys)
+    assert f"{bad}" in err and "is not UTF-8 text" in err and tiny.loads == []

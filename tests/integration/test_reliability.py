@@ -222,6 +222,18 @@ def test_enable_takes_the_path_of_a_plan_file(tmp_path, monkeypatch):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    """An empty model (weights on the meta device) failed deep in torch ("Tensor.item() cannot be called on meta
+    tensors") at its first forward."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(tiny_model("llama").config).eval()
+    with pytest.raises(ValueError, match="weights are on the meta device"):
+        kascade.enable(model, _plan(tiny_model("llama")))
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_training_and_gradients_are_refused_clearly():
     model = tiny_model("llama")
     ids = _ids(40)

@@ -120,6 +120,9 @@ def check_supported(model) -> None:
     if routed is not None:
         raise RuntimeError("Kascade is already enabled on a model this one contains or is part of (its attention "
                            f"module {type(routed).__name__} is routed); disable it there first")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("this model's weights are on the meta device (not loaded: an empty model, or offloading that "
+                         "left them there); load the weights before enabling Kascade")
     cfg = _text_config(model)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):

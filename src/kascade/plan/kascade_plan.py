@@ -379,7 +379,11 @@ class KascadePlan:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"no plan file at {path}" + (" (it is a folder)" if path.is_dir() else ""))
-        return cls.from_json(path.read_text())
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"the plan file {path} is not UTF-8 text (not a Kascade plan)") from None
+        return cls.from_json(text)
 
 
 def _no_repeated_keys(pairs) -> dict:
