@@ -97,6 +97,22 @@ def test_table_and_plot_are_written(tiny_run, capsys):
     assert (out / "bench.png").stat().st_size > 5000
 
 
+def test_a_cpu_table_says_its_timings_are_noise_and_a_negative_share_is_shown_as_such(tiny_run):
+    """On a CPU, identical runs gave speedups of 0.5-5.5x and negative attention shares, printed without a word."""
+    import copy
+
+    from kascade.bench import report
+
+    _, r = tiny_run
+    r = copy.deepcopy(r)
+    r["configs"][0]["attn_share_decode"] = -0.31
+    md = report.table(r)
+    assert "measured on a CPU" in md and "not what Kascade gains" in md
+    assert "<0 (noise)" in md and "-0.31" not in md
+    r["environment"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    assert "measured on a CPU" not in report.table(r)
+
+
 def test_measure_config_restores_the_model():
     model = _tiny()
     plan = models.plan_for("tiny", model, None)

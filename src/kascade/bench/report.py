@@ -47,6 +47,10 @@ def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
+def _share(x: float) -> str:
+    return f"{x:.2f}" if x >= 0 else "<0 (noise)"
+
+
 def table(results: dict) -> str:
     """The results as Markdown: a header line (device, versions, settings), one row per configuration, notes."""
     env = results["environment"]
@@ -68,13 +72,18 @@ def table(results: dict) -> str:
         d, k = r["dense"], r["kascade"]
         lines.append(
             f"{head} {d['ttft_s']:.3f} | {k['ttft_s']:.3f} | {r['ttft_speedup']:.2f}x | {1e3 * d['itl_s']:.2f} | "
-            f"{1e3 * k['itl_s']:.2f} | {r['itl_speedup']:.2f}x | {r['attn_share_prefill']:.2f} / "
-            f"{r['attn_share_decode']:.2f} | {_f(d['peak_gb'], '.1f')} | {_f(k['peak_gb'], '.1f')} | "
+            f"{1e3 * k['itl_s']:.2f} | {r['itl_speedup']:.2f}x | {_share(r['attn_share_prefill'])} / "
+            f"{_share(r['attn_share_decode'])} | {_f(d['peak_gb'], '.1f')} | {_f(k['peak_gb'], '.1f')} | "
             f"{_f(r['peak_ratio'], '.2f')} | {r['wall_s']:.1f} |")
     lines.append("")
     lines += [f"- {m}: {info['description']}; plan: {info['plan']}" + (f". {info['note']}" if info.get("note") else "")
               for m, info in results["models"].items()]
-    lines.append("- speedup = dense / kascade (same run); attention share = 1 - t(no-op attention) / t(dense).")
+    lines.append("- speedup = dense / kascade (same run); attention share = 1 - t(no-op attention) / t(dense) (below 0: "
+                 "the run without attention came out slower, timing noise larger than attention's share).")
+    if not env.get("gpu"):
+        lines.append("- measured on a CPU: timings of this size vary several-fold between identical runs (other "
+                     "processes, frequency scaling, thread scheduling) and the CPU runs the reference backend, so "
+                     "these speedups show that the command works, not what Kascade gains; measure speed on a GPU.")
     if s.get("decode") == "graph":
         lines.append("- decode: static cache, one CUDA-graph replay per step, for all three modes; dense = PyTorch "
                      "SDPA (cuDNN first) in prefill and Kascade's dense split-K Triton kernel in decode.")
