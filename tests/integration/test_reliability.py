@@ -234,6 +234,22 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_prompt_lookup_decoding_runs_and_a_full_budget_makes_it_greedy_dense():
+    """Speculative decoding verifies several tokens per forward: Kascade runs those as prefill chunks (documented in
+    enable: tokens may differ from one-token decoding under a sparse plan); with every key kept both are dense."""
+    model = tiny_model("llama")
+    ids = _ids(300)
+    ids[0, 250:280] = ids[0, 100:130]  # a repeat for the prompt lookup to find
+    full = KascadePlan.uniform(ModelFingerprint.from_model(model), 2, ratio=1.0, k_min=1, tile=16)
+    with torch.no_grad():
+        dense = model.generate(ids, max_new_tokens=30, do_sample=False)
+        with kascade.enable(model, full):
+            looked_up = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=5)
+        with kascade.enable(model, _plan(model)):  # a sparse plan: it runs, whatever tokens it picks
+            sparse = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=5)
+    assert torch.equal(looked_up, dense) and sparse.shape == dense.shape
+
+
 def test_training_and_gradients_are_refused_clearly():
     model = tiny_model("llama")
     ids = _ids(40)

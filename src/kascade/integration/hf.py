@@ -171,6 +171,10 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     the handle and call ``kascade.disable(model)``. ``selector`` and ``account``: see
     :class:`kascade.Attention`.
 
+    Decoding that feeds several tokens per forward (speculative decoding: ``generate(prompt_lookup_num_tokens=...)``
+    or an assistant model) runs those forwards as a prefill chunk, with tile-pooled selections: its tokens can differ
+    from one-token-at-a-time Kascade decoding with the same plan (both are Kascade; a full budget makes both dense).
+
     On a tensor-parallel model (transformers' ``tp_plan``) every rank runs its own heads; the plan must then be
     shard-local for the model's size (:meth:`KascadePlan.for_tensor_parallel`), or ``exchange=True`` all-gathers
     the anchors' selections so that any plan runs (:mod:`kascade.tensor_parallel`).
