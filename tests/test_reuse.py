@@ -199,3 +199,44 @@ def test_enable_uses_a_shipped_variant_plan(monkeypatch):
     assert h.runtime.plan == shipped and h.runtime.plan.ranked
     ref, _ = _run(model, shipped, ids)
     assert torch.equal(got, ref)
+
+
+# -- sources and sinks + recent, hand-computed ---------------------------------------------------------------------
+# One decode query over 40 keys at ratio 0.1, k_min 6: a faithful row keeps k(40) = max(6, 4) = 6 keys; a layer at
+# scale 0.5 keeps round(0.5 * 6) = 3. Anchor 0 ranks its keys (most probable first):
+RANK_A = [30, 5, 17, 2, 33, 8, 11, 25, 1, 39]  # head 0
+RANK_B = [7, 30, 21, 3, 9, 12, 14, 0, 36, 22]  # head 1
+
+
+def _hand_case(scale, **reuse):
+    from kascade.ops import Selection
+
+    fp = ModelFingerprint("llama", 4, 2, 2, 8)
+    sources = tuple(tuple(((l, h),) for h in range(2)) if l in (0, 2) else
+                    (((0, 0), (0, 1)), ((0, 1),)) for l in range(4))
+    plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.1, k_min=6, tile=8)
+    plan = plan.with_reuse(sources=sources, scale=(1.0, scale, 1.0, 1.0), **reuse)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 40, 8)
+    step = plan_step(q, k, budget=plan.budget)
+    ranked = Selection(torch.tensor([[[RANK_A], [RANK_B]]]), torch.zeros(1, dtype=torch.long), 8, decode=True,
+                       ranked=True)
+    return layer_selection(plan, 1, {0: ranked}, step).indices[0, :, 0].tolist()
+
+
+@pytest.mark.parametrize("scale,head0,head1", [
+    # the union merges the two rankings rank by rank (A0, B0, A1, B1 = A0 again, A2, B2, A3, ...)
+    (1.0, [2, 5, 7, 17, 21, 30], [3, 7, 9, 12, 21, 30]),  # head 1 has one source: its first 6
+    (0.5, [5, 7, 30], [7, 21, 30]),  # the layer's own budget: 3 keys
+])
+def test_a_union_of_two_sources_interleaves_their_rankings_at_the_layers_budget(scale, head0, head1):
+    assert _hand_case(scale) == [head0, head1]
+
+
+@pytest.mark.parametrize("scale,head0", [
+    # 6 keys: recent share floor(0.5 * 6) = 3 = sinks 0, 1 + the newest key 39; then the union's ranking 30, 7, 5
+    (1.0, [0, 1, 5, 7, 30, 39]),
+    # 3 keys: floor(0.5 * 3) = 1 forced key, a sink (0); then 30, 7
+    (0.5, [0, 7, 30]),
+])
+def test_sinks_and_recent_take_their_share_of_the_layers_budget(scale, head0):
+    assert _hand_case(scale, sinks=2, recent=0.5)[0] == head0
