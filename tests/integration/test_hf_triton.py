@@ -2,6 +2,8 @@
 on the CPU, or compiled on CUDA with KASCADE_TEST_DEVICE=cuda (tests/conftest.py; prompts then grow with the size
 scale). Model and inputs reach the device through kernel_checks.dev."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,6 +106,51 @@ def test_static_cache_decode_steps_stay_on_the_device(forward_states):
     # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
     assert [fs.step.on_device for fs in forward_states] == [False, True, True, True]
     assert all(fs.step.meta.n == (P + 10, P + 10) for fs in forward_states[1:])  # launch bounds: the capacity
+
+
+def _static_cache_logits(model, ids, feed, capacity, mask=None):
+    """Last-position logits ``[B, 1 + steps, V]`` of a static-cache prefill of ``ids`` and one decode step per column
+    of ``feed`` (the same tokens for every backend, so that their logits compare step by step)."""
+    from transformers import StaticCache
+
+    from kascade.models import cache_kwargs
+
+    cache = cache_kwargs(model, StaticCache(config=model.config, max_cache_len=capacity))
+    out = [model(input_ids=ids, attention_mask=mask, use_cache=True, **cache).logits[:, -1]]
+    for t in range(feed.shape[1]):
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        out.append(model(input_ids=feed[:, t : t + 1], attention_mask=mask, use_cache=True, **cache).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("length_aware", [False, True])
+def test_static_cache_decode_logits_match_the_reference_step_by_step(length_aware):
+    """Every decode step over a static cache (the Triton step planned on the device; a length-aware plan reads its
+    geometry back to pick its sub-plan) gives the reference's logits, not just its greedy tokens: a step attending
+    one key short, or a length-aware plan losing its host geometry, changed 4 greedy tokens of a random model in no
+    test."""
+    model, plan = _model_and_plan()
+    if length_aware:  # prompts up to sized(60) + 6 keys take the short sub-plan: the (0, 2) anchors
+        fp = ModelFingerprint.from_model(model)
+        short = KascadePlan(fp, (0, 2), ((0, 1, 2), (1, 2, 0), (0, 1, 2), (2, 2, 1)), ratio=0.1, k_min=40, tile=16)
+        plan = dataclasses.replace(plan, by_length=((sized(60) + 6, short),))
+    P = sized(60)
+    ids = _ids(2, P, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    feed = _ids(2, 5, 8)
+    with torch.no_grad():
+        with kascade.enable(model, plan, backend="reference"):
+            ref = _static_cache_logits(model, ids, feed, P + 8, mask)
+        with kascade.enable(model, plan, backend="triton") as h:
+            assert h.runtime.host_geometry == length_aware
+            got = _static_cache_logits(model, ids, feed, P + 8, mask)
+        if length_aware:  # the short sub-plan really served: the long plan alone gives other logits
+            with kascade.enable(model, dataclasses.replace(plan, by_length=()), backend="reference"):
+                long_only = _static_cache_logits(model, ids, feed, P + 8, mask)
+            assert not torch.allclose(long_only[:, 1:], ref[:, 1:], atol=1e-3)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_dense_runtime_is_the_dense_model():
