@@ -28,7 +28,7 @@ def test_json_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("changes,needle", [
-    (dict(ratio=0.0), "ratio"), (dict(ratio=1.5), "ratio"), (dict(ratio=-0.1), "ratio"),
+    (dict(ratio=1.5), "ratio"), (dict(ratio=-0.1), "ratio"),
     (dict(tile=0), "tile"), (dict(k_min=0), "k_min"),
     (dict(anchors=(1, 4)), "layer 0"), (dict(anchors=(0, 8)), "out of range"), (dict(anchors=(0, 4, 2)), "increasing"),
     (dict(head_map=(IDENT,) * 7), "one row per layer"), (dict(head_map=((0, 1),) * 8), "3 entries"),
@@ -309,3 +309,19 @@ def test_a_plan_file_that_is_not_utf8_is_named(tmp_path):
     bad.write_bytes(b'\xff\xfe{"format": "kascade-plan/3"}')
     with pytest.raises(ValueError, match=f"the plan file {bad} is not UTF-8 text"):  # was a bare UnicodeDecodeError
         KascadePlan.load(bad)
+
+
+def test_the_papers_one_call_form_is_a_plan():
+    """``kascade_attention(q, k, v, topk=64, anchors=[2, 6, 10])``: a fixed top-k (ratio 0: always k_min keys)."""
+    p = KascadePlan.from_anchors(FP, anchors=[2, 6], topk=64)
+    assert p.anchors == (0, 2, 6) and p.head_map == (IDENT,) * 8 and not p.calibrated
+    assert p.budget == Budget(ratio=0.0, k_min=64) and [p.budget.k(n) for n in (10, 64, 1000, 10**6)] == [10, 64, 64, 64]
+    assert KascadePlan.from_json(p.to_json()) == p
+    q = KascadePlan.from_anchors(FP, anchors=(0, 4), ratio=0.2, tile=16)
+    assert q.budget == Budget(ratio=0.2, k_min=128, tile=16) and q.anchors == (0, 4)
+    for kw, needle in ((dict(), "give one of topk"), (dict(topk=8, ratio=0.1), "give one of topk"),
+                       (dict(topk=0), "topk must be"), (dict(topk=8, k_min=4), "give one of them")):
+        with pytest.raises(ValueError, match=needle):
+            KascadePlan.from_anchors(FP, anchors=[2], **kw)
+    with pytest.raises(ValueError, match="out of range"):
+        KascadePlan.from_anchors(FP, anchors=[8], topk=8)

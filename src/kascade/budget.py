@@ -48,7 +48,7 @@ def scaled(count, scale: float, limit):
 class Budget:
     """How many keys Kascade keeps.
 
-    ratio:   fraction of the context kept (``0 < ratio <= 1``).
+    ratio:   fraction of the context kept (``0 <= ratio <= 1``; 0: a fixed top-k of ``k_min`` keys).
     k_min:   floor on the number of keys kept (``>= 1``).
     tile:    prefill query tile ``T`` (``>= 1``).
     rolling: in prefill, let the budget grow with the causal prefix (the authors' default).
@@ -60,8 +60,8 @@ class Budget:
     rolling: bool = True
 
     def __post_init__(self):
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 < self.ratio <= 1.0):
-            raise ValueError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 <= self.ratio <= 1.0):
+            raise ValueError(f"ratio must be a number in [0, 1] (0: always k_min keys), got {self.ratio!r}")
         if isinstance(self.k_min, bool) or not isinstance(self.k_min, int) or self.k_min < 1:
             raise ValueError(f"k_min must be an integer >= 1, got {self.k_min!r}")
         if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:

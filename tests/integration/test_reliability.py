@@ -378,3 +378,19 @@ def test_vision_language_model_routes_only_its_language_model():
         after = model(input_ids=ids, pixel_values=pixels).logits
     torch.testing.assert_close(full, dense, rtol=1e-5, atol=1e-5)
     assert torch.equal(after, dense)
+
+
+def test_a_fixed_top_k_plan_attends_k_keys_at_every_length():
+    """KascadePlan.from_anchors(model, anchors=[2], topk=8): ratio 0, so a decode step keeps 8 keys per KV head
+    whatever the context's length."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    plan = KascadePlan.from_anchors(model, anchors=[2], topk=8, tile=16)
+    for n in (64, 300):
+        with torch.no_grad(), kascade.enable(model, plan, account=True, warn_uncalibrated=False) as h:
+            cache = DynamicCache()
+            model(_ids(n), past_key_values=cache, use_cache=True)
+            h.runtime.attended.clear()
+            model(_ids(1, seed=5), past_key_values=cache, use_cache=True)
+        assert h.runtime.attended[2] == [2 * 8, 2 * (n + 1)]  # 2 KV heads

@@ -331,6 +331,32 @@ class KascadePlan:
                    source=f"uniform: {num_anchors} evenly spaced anchors, identity head map (uncalibrated)", **budget)
 
     @classmethod
+    def from_anchors(cls, model, anchors, *, topk: int | None = None, ratio: float | None = None,
+                     **budget) -> "KascadePlan":
+        """The paper's one-call form, ``kascade_attention(q, k, v, topk=64, anchors=[2, 6, 10])``, as a plan: these
+        anchor layers (layer 0, always dense, is added), every reuse head following the same head of its nearest
+        anchor (identity head map: no calibration), and a fixed ``topk`` keys per row (``ratio=0, k_min=topk``) or
+        a ``ratio`` of the context (with ``k_min``, default 128). ``model``: a model or its
+        :class:`ModelFingerprint`; ``budget``: ``k_min``, ``tile``, ``rolling``. Calibration (``kascade
+        calibrate``) chooses better anchors and head maps."""
+        fp = model if isinstance(model, ModelFingerprint) else ModelFingerprint.from_model(model)
+        if (topk is None) == (ratio is None):
+            raise ValueError("give one of topk (a fixed number of keys per row) and ratio (a fraction of the context)")
+        if topk is not None:
+            if not _is_int(topk) or topk < 1:
+                raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+            if "k_min" in budget:
+                raise ValueError("topk is the number of keys (k_min): give one of them")
+            budget.update(ratio=0.0, k_min=int(topk))
+        else:
+            budget["ratio"] = ratio
+        anchors = sorted({0, *_ints("anchors", anchors)})
+        ident = tuple(range(fp.num_kv_heads))
+        what = f"top-{topk}" if topk is not None else f"ratio {ratio}"
+        return cls(fp, tuple(anchors), (ident,) * fp.num_layers, calibrated=False,
+                   source=f"from_anchors: anchors {anchors}, {what}, identity head map (uncalibrated)", **budget)
+
+    @classmethod
     def all_anchors(cls, fingerprint: ModelFingerprint, **budget) -> "KascadePlan":
         """Every layer selects its own top-k (the 'oracle' at the same budget)."""
         n = fingerprint.num_layers
