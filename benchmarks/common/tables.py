@@ -316,7 +316,15 @@ def _bytes(n: float) -> str:
     return f"{_sig(n / 1e9)} GB" if n >= 1e9 else f"{_sig(n / 1e6)} MB"
 
 
+def source(name: str, section: str) -> str:
+    """Where a section of a results file was measured: machine, date, command."""
+    s = results(name)[section]
+    text = "; ".join([*([s["machine"]] if "machine" in s else []), f"measured {s['measured']}"]) + "."
+    return text + (f" Command: `{s['command']}`." if "command" in s else "")
+
+
 BLOCKS = {
+    "source": source,
     "speed-summary": speed_summary,
     "machine": machine,
     "kernels": kernels,
