@@ -26,7 +26,7 @@ GPTJ = dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8, n_positions=512)
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # transformers class prefix -> (config overrides, None if served else the reason it is refused (a substring of the
-# error), what the README says)
+# error), what the manual's families table says)
 FAMILIES = {
     "Llama": ({}, None, ""),
     "Mistral": (dict(sliding_window=None), None, "without a sliding window (`config.sliding_window = None`)"),
