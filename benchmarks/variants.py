@@ -28,6 +28,7 @@ from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats
 from kascade import calibrate as cv
 from kascade.eval import ruler
+from kascade.eval.runner import _attended_fraction  # the evaluation's own accounting of attended keys
 from benchmarks.common import log, out_folder
 from benchmarks.common.fidelity import evaluate
 from kascade.fidelity import DenseReference
