@@ -101,8 +101,9 @@ def test_a_script_runs_as_a_module_with_usage_lines_that_say_so(path):
 def test_tables_are_written_outside_the_documentation():
     """Every --out default is ``out/<name>`` (``benchmarks.common.out_folder``) or required, and no script names a
     folder of the documentation (docs/) or of the package's data: committed figures are curated into
-    src/kascade/results by hand (the scripts once wrote their tables over the pages that explained every run)."""
-    for path in SCRIPTS:
+    src/kascade/results by hand (the scripts once wrote their tables over the pages that explained every run). The one
+    exception is benchmarks.tables, whose job is to rewrite the marked results tables of the README and the manual."""
+    for path in (p for p in SCRIPTS if p.name != "tables.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
