@@ -146,6 +146,16 @@ def test_tensor_parallel_sentences():
     lo, hi = _find(r"small:\s+([\d.]+)%\s+\(TP 2\)\s+to\s+([\d.]+)%\s+\(TP 8\)", text)
     exchange = tables.tp_exchange()
     assert f"| {lo}% |" in exchange and f"| {hi}% |" in exchange
+    # prefill: "1.5% (32K) to 6% (128K) of the all-reduce traffic, but large in bytes (4.3-7.5 GB at 128K)"
+    short, long, gb_lo, gb_hi = _find(r"it is ([\d.]+)% \(32K\) to ([\d.]+)% \(128K\) of the all-reduce traffic, "
+                                      r"but large in bytes \(([\d.]+)-([\d.]+) GB at 128K\)", text)
+    rows = [r.split(" | ") for r in exchange.splitlines() if "prefill" in r]
+    assert [r[0].split(", ")[1] for r in rows] == ["32K", "128K"]
+    _shown(short, 100 * float(rows[0][4].rstrip("x"))), _shown(long, 100 * float(rows[1][4].rstrip("x")))
+    plan = KascadePlan.uniform(tables.LLAMA, 5)
+    sent = [tables.step_exchange_bytes(plan, t, batch=1, keys=131072, queries=131072, backend="triton") / 1e9
+            for t in (2, 8)]
+    _shown(gb_lo, sent[0]), _shown(gb_hi, sent[1])
 
 
 def test_jax_sentences():
