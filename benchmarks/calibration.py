@@ -1,7 +1,6 @@
-"""Calibrate the default model and measure fidelity of uniform vs calibrated plans (issue 3's table).
+"""Calibrate the default model and measure fidelity of uniform vs calibrated plans, one GPU call:
 
-One call on the GPU machine:
-    python benchmarks/calibration.py --model /root/stage/smollm2.gguf --device cuda --out $OUT
+    python -m benchmarks.calibration --model MODEL.gguf --device cuda --out OUT
 Writes calibration outputs (plan_A*.json, stats.json, plots) and fidelity.json / fidelity.md to --out.
 """
 
@@ -11,10 +10,10 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import out_folder
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats, objective_table, plan_from_stats
 from kascade.calibrate.plots import importance_curve, similarity_heatmap
@@ -22,7 +21,7 @@ from kascade.fidelity import compare_plans
 from kascade.models import load_model
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cuda")
@@ -31,10 +30,9 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--windows", type=int, nargs="+", default=[8, 5], help="eval windows per length")
     p.add_argument("--anchors", type=int, nargs="+", default=[4, 6, 8, 10])
-    p.add_argument("--out", default="out/calibration")
-    a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    p.add_argument("--out", default=None, help="output folder (default out/calibration)")
+    a = p.parse_args(argv)
+    out = out_folder(a.out, "calibration")
     torch.manual_seed(0)
     model, tok = load_model(a.model, device=a.device, dtype=torch.float32)
     fp = ModelFingerprint.from_model(model)

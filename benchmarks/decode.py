@@ -1,6 +1,6 @@
 """Decode attention per layer: dense vs Kascade's layer 0, anchor and reuse layers (Triton kernels), one GPU call.
 
-    python benchmarks/decode.py [--out DIR] [--quick] [--no-tune]
+    python -m benchmarks.decode [--out DIR] [--quick] [--no-tune] [--only model:B:N,...]
 
 1. Checks every kernel against the reference ops on small random cases (contiguous and paged, varied lengths).
 2. Measures the device-to-device copy bandwidth (the ceiling for memory-bound kernels).
@@ -8,7 +8,7 @@
    selection's chunk on representative shapes and keeps the fastest over all of them (printed); also records, per
    shape, the best configuration of that shape alone beside the overall one (sweep["per_shape_best"]). The
    defaults in kascade/ops/triton/decode.py (PASS_CONFIG) come from the finer per-shape, per-pass sweep of
-   benchmarks/decode_configs.py.
+   python -m benchmarks.decode_configs.
 4. For Llama-3.1-8B shapes (HQ 32, H 8, D 128) and the default model's (HQ 9, H 3, D 64), bf16, 10 % budget
    (Budget(ratio=0.1, k_min=128)), B in {1, 8, 32}, N in {8K, 32K, 128K, 512K} (where memory allows): per-layer
    times of dense (the faster of SDPA(enable_gqa=True) and our split-K kernel), layer 0 (dense output + selection),
@@ -18,37 +18,30 @@
 Timing: triton.testing.do_bench(return_mode="median"), which flushes the L2 before every timed call; every op is
 captured in a CUDA graph and the graph replay is timed (how a serving engine runs decode: launch gaps between the
 small kernels are then the GPU's, not Python's). Eager times of the main ops are recorded too.
-Writes decode.json and the table decode_table.md to docs/benchmarks/, or under --out.
+Beside each reuse layer it records the floor of reading its rows (``benchmarks.common.gather``).
+Writes decode.json and the table decode_table.md under --out (default out/decode).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import time
 
 import torch
 import torch.nn.functional as F
-
-
 import triton
-from triton.testing import do_bench
 
-from kascade.budget import Budget
+from benchmarks.common import log, out_folder
+from benchmarks.common.gather import gather_times, graph_floor
+from benchmarks.common.shapes import DECODE_BUDGET as BUDGET
+from benchmarks.common.shapes import DT, MODELS
+from benchmarks.common.shapes import decode_inputs as make
+from benchmarks.common.timing import copy_bandwidth
+from benchmarks.common.timing import graph_us as bench
 from kascade.ops import dense_attention, select, sparse_attention
 from kascade.ops.triton import decode as td
 from kascade.ops.triton import topk
-
-from gather_floor import gather_times, graph_floor
-
-BUDGET = Budget(ratio=0.1, k_min=128)
-MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
-DT = torch.bfloat16
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,47 +139,8 @@ def check(dev, cases=CHECKS):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Timing helpers
-# ----------------------------------------------------------------------------------------------------------------
-def graphed(fn):
-    """Capture fn in a CUDA graph (after a warm-up call that compiles); return the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
-def bench(fn, graph=True, warmup=10, rep=60):
-    f = graphed(fn) if graph else fn
-    if not graph:
-        fn()
-    return do_bench(f, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
-
-
-def copy_bandwidth(dev):
-    x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    t = do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median") * 1e-3
-    del x, y
-    return 2 * (2 << 30) / t / 1e12
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # One shape
 # ----------------------------------------------------------------------------------------------------------------
-def make(B, HQ, H, N, D, dev, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(B, HQ, 1, D, generator=g, device=dev, dtype=DT)
-    k = torch.randn(B, H, N, D, generator=g, device=dev, dtype=DT)
-    v = torch.randn(B, H, N, D, generator=g, device=dev, dtype=DT)
-    return q, k, v
-
-
 def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     q, k, v = make(B, HQ, H, N, D, dev)
     scale = D**-0.5
@@ -204,7 +158,7 @@ def measure(B, HQ, H, N, D, dev, cfg, eager=True):
     t["dense"] = min(t["sdpa"], t["dense_ours"])
     t["reuse"] = bench(lambda: td.sparse_decode(q, k, v, idx64, scale=scale, out=out, **rc))
     t["reuse_int32"] = bench(lambda: td.sparse_decode(q, k, v, idx32, scale=scale, out=out, **rc))
-    floors = gather_times(k, v, idx64, bench)  # the same rows read by a kernel that does nothing else (gather_floor.py)
+    floors = gather_times(k, v, idx64, bench)  # the same rows read by a kernel that does nothing else
     t["gather_only"], t["stream_only"] = floors["gather_only"], floors["stream_only"]
     t["score_only"] = bench(lambda: td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                                   sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max,
@@ -361,13 +315,13 @@ def tune(dev):
     return best, best_chunk, sweep
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="output folder (default out/decode)")
     ap.add_argument("--quick", action="store_true", help="two checks, the targets' shapes first")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--only", default=None, help="comma list of model:B:N, e.g. llama-3.1-8b:8:32768 (one check)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     header = {
@@ -394,8 +348,7 @@ def main():
 
     free = torch.cuda.mem_get_info()[0]
     rows = []
-    out_dir = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_folder(args.out, "decode")
 
     def write():  # after every shape, so that a run cut short keeps what it measured
         result = {"header": header, "checks": checks, "rows": rows, "sweep": sweep}

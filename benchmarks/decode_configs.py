@@ -1,40 +1,41 @@
 """Per-shape launch sweep of the decode split-K kernel (one GPU call): which (BLOCK_N, warps, stages, splits) each
 shape wants, for the anchor's scoring pass, the sparse (reuse) pass and the dense / layer-0 pass.
 
-    python benchmarks/decode_configs.py [--out DIR] [--only model:B:N,...] [--budget-s 300]
+    python -m benchmarks.decode_configs [--out DIR] [--only model:B:N,...] [--budget-s 300]
 
-`benchmarks/decode.py --tune` picks the one configuration that is best summed over three shapes; this sweeps each
+``python -m benchmarks.decode`` (without --no-tune) picks the one configuration that is best summed over three shapes; this sweeps each
 shape on its own, the number of splits included (the programs launched against what fits on the GPU at once), so
 that the launchers can choose per pass (``PASS_CONFIG`` in :mod:`kascade.ops.triton.decode`). For every shape and
 pass: the time of the current launch choice, the best found, and the full grid. Also the split kernel's merge alone
 (what a fused merge could save) and the graph replay of an empty kernel (the floor of one launch).
 
-Timing as in decode.py: the op captured in a CUDA graph, replay timed by do_bench (median), L2 flushed.
-Writes decode_configs.json under --out (default docs/benchmarks/).
+Timing as in benchmarks.decode: the op captured in a CUDA graph, replay timed by do_bench (median), L2 flushed.
+Writes decode_configs.json under --out (default out/decode_configs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import time
 
 import torch
 import triton
 import triton.language as tl
 
+from benchmarks.common import log, out_folder
+from benchmarks.common.shapes import DECODE_BUDGET as BUDGET
+from benchmarks.common.shapes import MODELS
+from benchmarks.common.shapes import decode_inputs as make
+from benchmarks.common.timing import graph_us
 from kascade.ops.triton import decode as td
-
-import decode  # noqa: E402  (run from benchmarks/)
-from decode import BUDGET, MODELS, log, make  # noqa: E402
 
 SHAPES = ("llama-3.1-8b:1:32768,llama-3.1-8b:1:131072,llama-3.1-8b:8:32768,llama-3.1-8b:8:131072,"
           "llama-3.1-8b:32:131072,smollm2-135m:1:131072,smollm2-135m:8:32768")
 
 
-def bench(fn):  # decode.bench with a shorter timing window: the sweep times ~1,000 launches
-    return decode.bench(fn, warmup=5, rep=25)
+def bench(fn):  # a shorter timing window than benchmarks.decode's: the sweep times ~1,000 launches
+    return graph_us(fn, warmup=5, rep=25)
 
 
 @triton.jit
@@ -56,7 +57,7 @@ PASSES = {
 }
 CONFIGS = {
     "score": [(bn, nw, ns) for bn in (32, 64, 128) for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3))],
-    # Triton 3.6 prefetches the gathered rows an iteration ahead only from 5 stages on (docs/benchmarks/decode.md)
+    # Triton 3.6 prefetches the gathered rows an iteration ahead only from 5 stages on (the manual's design notes)
     "sparse": [(64, 4, 3), (64, 4, 5), (32, 4, 5), (64, 8, 5), (32, 4, 6), (128, 4, 5), (32, 8, 5), (16, 4, 6)],
     "dense_scores": [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3)],
 }
@@ -71,17 +72,16 @@ def run_pass(name, q, k, v, meta, idx, **cfg):
                          **cfg)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="output folder (default out/decode_configs)")
     ap.add_argument("--only", default=SHAPES, help="comma list of model:B:N")
     ap.add_argument("--passes", default="score,sparse,dense_scores")
     ap.add_argument("--budget-s", type=float, default=300.0, help="sweeping time, shared out among shapes and passes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    out_dir = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_folder(args.out, "decode_configs")
     x = torch.zeros(1, device=dev)
     result = {"header": {"gpu": torch.cuda.get_device_name(dev), "sms": sms, "torch": torch.__version__,
                          "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},

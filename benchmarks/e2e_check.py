@@ -1,6 +1,6 @@
-"""Issue 7's GPU checks of the whole-model Triton path, one call:
+"""GPU checks of the whole-model Triton path, one call:
 
-    python benchmarks/e2e_check.py --model /root/stage/smollm2.gguf --out $OUT [--skip-llama]
+    python -m benchmarks.e2e_check --model MODEL.gguf --out OUT [--skip-llama]
 
 1. Fidelity: the default model's teacher-forced top-1 agreement (and KL) between the Triton and the reference
    backend with the shipped plan, on held-out 4K windows, in fp32 and bf16; positions where the reference's two
@@ -18,21 +18,17 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 
 import kascade
+from benchmarks.common import log, out_folder
 from kascade import bench
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.fidelity import fidelity, scored_logits
 from kascade.integration.graphs import GraphDecoder, enable_dense
 from kascade.models import load_model
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 @torch.no_grad()
@@ -107,17 +103,16 @@ def decode_latency(model, plan, prompt_len, steps, batch=1, seed=0):
     return out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default="out/e2e")
+    ap.add_argument("--out", default=None, help="output folder (default out/e2e_check)")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--tie", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--skip-llama", action="store_true")
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a = ap.parse_args(argv)
+    out = out_folder(a.out, "e2e_check")
     import transformers
     import triton
 

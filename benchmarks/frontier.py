@@ -1,6 +1,6 @@
 """The speed / accuracy frontier of the default model: held-out fidelity against modelled attention speedup.
 
-    python benchmarks/frontier.py --length 2048 --windows 2 --out docs/frontier
+    python -m benchmarks.frontier --length 2048 --windows 2 --out OUT
 
 Points: the similarity DP's plans at --anchors (the paper's method; statistics from --stats-windows "dev" windows of
 --length tokens), the shipped default, "searched" and "faithful" plans, and StreamingLLM / Quest at the same budget
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import kascade
+from benchmarks.common import log, out_folder
 from kascade import KascadePlan, costs, text
 from kascade.calibrate import collect_stats
 from kascade.calibrate.dp import plan_from_stats
@@ -37,17 +38,12 @@ from kascade.eval.strategies import make_strategy
 from kascade.fidelity import DenseReference, Fidelity, pool
 from kascade.plan import shipped_plan
 
-T0 = time.perf_counter()
 SHIPPED = ("default", "searched", "faithful")
 BASELINES = ("streamingllm", "quest")
 LLAMA = "llama-3.1-8b"
 # modelled decode speedup (Llama shapes, B=32, 128K). No "accurate": the shipped default is the most accurate
-# shipped plan; the DP plan with more anchors (8, modelled 2.69x) measured below it (docs/frontier/README.md)
+# shipped plan; the DP plan with more anchors (8, modelled 2.69x) measured below it (the manual's design notes)
 NAMED = {"fast": 4.0, "balanced": 3.5}
-
-
-def log(msg):
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def parse_args(argv=None):
@@ -63,11 +59,11 @@ def parse_args(argv=None):
                    help="read the DP plans from DIR/dp-<A>.json (another run's, e.g. made at another length) "
                    "instead of making them (default: OUT/plans)")
     p.add_argument("--extra", nargs="+", default=[], metavar="NAME=FILE",
-                   help="more points: plan JSON files (e.g. joint-3.2=docs/frontier/plans/joint-3.2.json); not part "
+                   help="more points: plan JSON files (e.g. joint-3.2=cal/plan.json); not part "
                    "of the run's settings, so they add to an existing run")
     p.add_argument("--seed", type=int, default=0, help="window seed (default: 0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="docs/frontier", help="output folder (default: docs/frontier)")
+    p.add_argument("--out", default=None, help="output folder (default: out/frontier)")
     p.add_argument("--report-only", action="store_true", help="rewrite frontier.md / .png from frontier.json")
     p.add_argument("--ship", default=None, metavar="DIR",
                    help="write the named plans (NAMED) from plans/ into DIR/<name>/ and stop (e.g. src/kascade/plans)")
@@ -154,7 +150,7 @@ def write_report(out: Path, data: dict) -> None:
              if "plans" in s else f"The DP plans' statistics: {s['stats_windows']} \"dev\" windows of {s['length']} "
              "tokens (k=64). ") + "Attended = keys attended / keys dense attends, counted from the "
              "selections. Speedups are modelled (`kascade.costs.plan_speedup`, H200 kernel times of "
-             "docs/benchmarks): decode at B=32, 128K tokens and prefill at B=1, 128K, at Llama-3.1-8B shapes (the "
+             "kascade/results/h200.json): decode at B=32, 128K tokens and prefill at B=1, 128K, at Llama-3.1-8B shapes (the "
              "plan's anchor count and per-layer budgets on that kernel table), and decode at the model's own shape. "
              "StreamingLLM is costed as layer 0 plus sparse layers (no selection); Quest is not modelled (its "
              "page scoring has no measured kernel).", "",
@@ -174,7 +170,7 @@ def write_report(out: Path, data: dict) -> None:
         lines += ["", "## Named plans (`kascade.enable(model, \"fast\")`)", "",
                   "Each is the DP plan with the most anchors whose modelled decode speedup (Llama-3.1-8B kernel times, "
                   "B=32, 128K) reaches its target: chosen from the cost model alone, no evaluation window read "
-                  "(`python benchmarks/frontier.py ... --ship src/kascade/plans`).", "",
+                  "(`python -m benchmarks.frontier ... --ship src/kascade/plans`).", "",
                   "| name | anchors | decode x (Llama, B=32) | prefill x (Llama) | target | agreement | KL | plan |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, x, r in named:
@@ -229,7 +225,7 @@ def ship(out: Path, anchors, dest: Path) -> None:
         plan = dp[max(ok)]
         plan = dataclasses.replace(plan, source=f"{plan.source}; shipped as {name!r}: the most anchors modelled >= "
                                    f"{x:g}x decode attention speedup (H200, Llama-3.1-8B kernel times, B=32, 128K; "
-                                   "benchmarks/frontier.py --ship)")
+                                   "python -m benchmarks.frontier --ship)")
         (dest / name).mkdir(parents=True, exist_ok=True)
         plan.save(dest / name / "smollm2-135m-instruct.json")
         log(f"{name}: {len(plan.anchors)} anchors {list(plan.anchors)}, {costs.describe(plan, shape=LLAMA)}")
@@ -237,8 +233,7 @@ def ship(out: Path, anchors, dest: Path) -> None:
 
 def main(argv=None):
     a = parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(a.out, "frontier")
     if a.threads:
         torch.set_num_threads(a.threads)
     settings = dict(length=a.length, windows=a.windows, stats_windows=a.stats_windows, seed=a.seed)
@@ -261,8 +256,8 @@ def main(argv=None):
     names = a.points or list(pts)
     meta = {n: dict(anchors=len(p.anchors) if n != "quest" else None, description=d, **speedups(p, n))
             for n, (p, _, d) in pts.items()}
-    data = dict(settings=settings, environment=env, command="python benchmarks/frontier.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in settings.items()) + f" --out {a.out}", points=meta, rows=rows)
+    data = dict(settings=settings, environment=env, command="python -m benchmarks.frontier " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in settings.items()) + f" --out {out}", points=meta, rows=rows)
     wins = text.windows(tok, "eval", a.length, a.windows, seed=a.seed)
     done = {(r["point"], r["window"]) for r in rows}
     for i, w in enumerate(wins):

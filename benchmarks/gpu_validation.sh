@@ -3,7 +3,7 @@
 # source trees (logits and generated tokens, then `kascade bench`), resumable over several device calls on one warm
 # machine (a call may run 10 minutes; all of this takes longer):
 #
-#   OLD_SRC=/tmp/old/src KASCADE_MODEL=/root/stage/smollm2.gguf bash benchmarks/gpu_validation.sh OUT [STEP ...]
+#   OLD_SRC=/tmp/old/src KASCADE_MODEL=MODEL.gguf bash benchmarks/gpu_validation.sh OUT [STEP ...]
 #
 # OLD_SRC / NEW_SRC (default: this checkout's src): folders holding a `kascade` package, e.g.
 # `git archive REV src | tar -x -C old`. Each bench times dense itself in the same process: compare the ratios, and
@@ -16,25 +16,26 @@
 #                       KASCADE_TEST_SCALE, default 4), failures summarised (-rfE), each cut after KERNEL_TIMEOUT
 #                       seconds (default 240; the summary then counts the tests that had passed)
 #   eq-old eq-new eq-compare
-#                       runtime_equivalence.py on the default model, Triton backend, EQ_DTYPES (default bf16), of the
+#                       benchmarks.runtime_equivalence on the default model, Triton backend, EQ_DTYPES (default bf16), of the
 #                       tree in OLD_SRC and of src/, then their comparison (about 20 s per plan and dtype per tree)
 #   bench-old bench-new `kascade bench --device cuda` of both trees with BENCH_ARGS (default: llama8b shapes, 32K and
 #                       128K, B 1 and 8)
 # Benchmarks, only when named (each writes into $STATE/STEP/, packed with the logs):
-#   bench-prefill       benchmarks/prefill.py at PREFILL_NS (default 32768,131072) and PREFILL_BATCHES (default 1), no
+#   bench-prefill       benchmarks.prefill at PREFILL_NS (default 32768,131072) and PREFILL_BATCHES (default 1), no
 #                       sweep, no FlexAttention:
 #                       the per-layer table, torch.topk and the radix top-k side by side
-#   sweep-prefill       benchmarks/prefill.py --ns 32768 --no-flex: the launch / option sweep (prefill.json's
-#                       "sweep_32k", printed), then the 32K rows (run 11's 68 entries and the rows: 237 s; 56 entries now)
-#   bench-decode        benchmarks/decode.py --no-tune (DECODE_ARGS, e.g. --only llama-3.1-8b:1:131072,...)
-#   bench-jax           benchmarks/jax_bench.py: op-at-a-time and planned (kascade.jax.Attention) JAX paths
+#   sweep-prefill       benchmarks.prefill --ns 32768 --no-flex: the launch / option sweep (prefill.json's
+#                       "sweep_32k", printed), then the 32K rows (56 entries and the rows: about 200 s on an H200)
+#   bench-decode        benchmarks.decode --no-tune (DECODE_ARGS, e.g. --only llama-3.1-8b:1:131072,...)
+#   bench-jax           benchmarks.jax_bench: op-at-a-time and planned (kascade.jax.Attention) JAX paths
 # Each step prints one line into OUT/summary.txt (and the call's output); the logs of every step so far are packed
-# into OUT/logs.tar.gz (a device call returns only a few files). STATE (default /root/gpu-validation) keeps the
-# finished steps while the machine stays warm.
+# into OUT/logs.tar.gz (a device call returns only a few files). STATE (default $TMPDIR/kascade-gpu-validation, /tmp
+# without TMPDIR) keeps the finished steps while the machine stays warm. The Python steps run from the repository
+# root (python -m benchmarks.NAME), with the tree under test first on PYTHONPATH.
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT [STEP ...]}
 shift
-state=${STATE:-/root/gpu-validation}
+state=${STATE:-${TMPDIR:-/tmp}/kascade-gpu-validation}
 mkdir -p "$out" "$state"
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -61,13 +62,16 @@ kernel_tests() {  # files -> pytest on the GPU
 }
 record() {  # tree src -> equivalence recording
   [[ -n $2 ]] || { echo "OLD_SRC is not set (e.g. git archive ee1568f src | tar -x -C /tmp/old)"; return 2; }
-  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 "$here/runtime_equivalence.py" record --device cuda \
-    --backend triton --dtypes ${EQ_DTYPES:-bf16} ${KASCADE_MODEL:+--model "$KASCADE_MODEL"} --out "$state/eq_$1.pt"
+  (cd "$root" && PYTHONPATH="$2:$root${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.runtime_equivalence record --device cuda \
+    --backend triton --dtypes ${EQ_DTYPES:-bf16} ${KASCADE_MODEL:+--model "$KASCADE_MODEL"} --out "$state/eq_$1.pt")
 }
 bench() {  # tree src
   [[ -n $2 ]] || { echo "OLD_SRC is not set"; return 2; }
   PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" python3 -m kascade.cli bench --device cuda \
     ${BENCH_ARGS:---models llama8b --lengths 32768 131072 --batches 1 8 --time-budget 420} --out "$state/bench_$1"
+}
+script() {  # NAME ARGS... -> python -m benchmarks.NAME on the tree under test
+  (cd "$root" && PYTHONPATH="$new:$root" python3 -m "benchmarks.$1" "${@:2}")
 }
 run_step() {
   case $1 in
@@ -79,15 +83,15 @@ run_step() {
     kernels-jax) kernel_tests tests/jax/test_jax_bridge.py tests/jax/test_jax_attention.py ;;
     eq-old) record old "$old" ;;
     eq-new) record new "$new" ;;
-    eq-compare) python3 "$here/runtime_equivalence.py" compare "$state/eq_old.pt" "$state/eq_new.pt" --atol 1e9 \
-                  --verbose | tee "$state/equivalence.md" ;;
+    eq-compare) (cd "$root" && python3 -m benchmarks.runtime_equivalence compare "$state/eq_old.pt" "$state/eq_new.pt" \
+                  --atol 1e9 --verbose) | tee "$state/equivalence.md" ;;
     bench-old) bench old "$old" ;;
     bench-new) bench new "$new" ;;
-    bench-prefill) PYTHONPATH="$new" python3 "$here/prefill.py" --out "$state/$1" --ns "${PREFILL_NS:-32768,131072}" \
+    bench-prefill) script prefill --out "$state/$1" --ns "${PREFILL_NS:-32768,131072}" \
                      --batches "${PREFILL_BATCHES:-1}" --no-sweep --no-flex ;;
-    sweep-prefill) PYTHONPATH="$new" python3 "$here/prefill.py" --out "$state/$1" --ns 32768 --no-flex ;;
-    bench-decode) PYTHONPATH="$new" python3 "$here/decode.py" --out "$state/$1" --no-tune ${DECODE_ARGS:-} ;;
-    bench-jax) PYTHONPATH="$new" python3 "$here/jax_bench.py" --out "$state/$1" ;;
+    sweep-prefill) script prefill --out "$state/$1" --ns 32768 --no-flex ;;
+    bench-decode) script decode --out "$state/$1" --no-tune ${DECODE_ARGS:-} ;;
+    bench-jax) script jax_bench --out "$state/$1" ;;
     *) echo "unknown step $1; steps: ${all[*]}"; return 2 ;;
   esac
 }

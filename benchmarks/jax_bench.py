@@ -1,7 +1,7 @@
 """The JAX path on a GPU: Kascade's JAX ops (``kascade.jax``, backend "triton": the Triton kernels through DLPack)
 against JAX's own dense attention, and against the same kernels called from torch (the bridge's overhead).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/jax_bench.py --out OUT
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m benchmarks.jax_bench --out OUT
 
 For each configuration (shape, mode, batch, length; bf16, random inputs, 10% budget):
 - JAX dense: ``jax.nn.dot_product_attention`` (cuDNN, and XLA), jitted, on ``[B, N, heads, D]`` arrays;

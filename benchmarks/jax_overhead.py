@@ -1,6 +1,6 @@
 """Where a Triton-backend call of the JAX ops spends its time besides the kernels, on any machine (CPU included).
 
-    python benchmarks/jax_overhead.py
+    python -m benchmarks.jax_overhead
 
 The kernels (``kascade.ops.dense_attention`` / ``sparse_attention``) are replaced by no-ops returning an empty
 output, so what is timed is the JAX-side argument checks, the DLPack exchanges and the bridge; then the pieces one

@@ -1,6 +1,6 @@
 """Per-layer budgets from measured sensitivity, one GPU call:
 
-    python benchmarks/measured_budget.py --model /root/stage/smollm2.gguf --out $OUT
+    python -m benchmarks.measured_budget --model MODEL.gguf --out OUT [--proxy plan_searched_layer_budget.json]
 
 1. From the shipped "searched" plan (searched anchors, faithful reuse; or --start), measure the teacher-forced KL
    against dense on "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every
@@ -17,37 +17,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
 
 import torch
 
 from kascade import KascadePlan, text
 from kascade.calibrate.budgets import layer_sensitivity, measured_budget_plan
-from kascade.fidelity import DenseReference, compare_plans
+from benchmarks.common import log, out_folder
+from benchmarks.common.fidelity import evaluate
+from kascade.fidelity import DenseReference
 from kascade.models import load_model
 from kascade.plan import shipped_plan
 
 MEASURED_GRID = (0.5, 1.0, 1.5, 2.0, 3.0)  # measured; the library's default grid is the capped one (up to 2x)
 
 
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def evaluate(model, plans: dict, windows, backend: str) -> dict:
-    """Per plan: agreement / KL against dense pooled over the windows, and the attended fraction of keys."""
-    return {n: f.as_dict() for n, f in compare_plans(model, plans, windows, backend=backend, account=True).items()}
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default="out/measured")
+    ap.add_argument("--out", default=None, help="output folder (default out/measured_budget)")
     ap.add_argument("--sens", type=int, nargs="+", default=[4096, 4096, 4096, 8192, 8192],
                     help="lengths of the sensitivity dev windows (default: 3 x 4K + 2 x 8K)")
     ap.add_argument("--choose", type=int, nargs="+", default=[4096, 4096, 8192, 8192],
@@ -59,9 +47,11 @@ def main():
                          "a plan with per-layer budgets gives a second round around its scales")
     ap.add_argument("--grids", nargs="+", default=["full", "cap2"], choices=["full", "cap2"],
                     help="allocation grids: full = 0.5-3x, cap2 = 0.5-2x (default: both)")
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    ap.add_argument("--proxy", default=None,
+                    help="the searched plan with per-layer budgets from the similarity proxy, evaluated beside the "
+                         "measured ones (plan_searched_layer_budget.json of python -m benchmarks.ship_plan)")
+    a = ap.parse_args(argv)
+    out = out_folder(a.out, "measured_budget")
 
     import transformers
 
@@ -76,9 +66,9 @@ def main():
         return wins
 
     searched = shipped_plan(model, "searched")
-    plans = {"faithful": shipped_plan(model, "faithful"), "searched": searched,
-             "searched + layer budget (proxy)": KascadePlan.load(Path(__file__).parents[1] / "docs" / "variants" /
-                                                                 "plan_searched_layer_budget_proxy.json")}
+    plans = {"faithful": shipped_plan(model, "faithful"), "searched": searched}
+    if a.proxy:
+        plans["searched + layer budget (proxy)"] = KascadePlan.load(a.proxy)
     base = searched
     if a.start:
         base = plans["start"] = KascadePlan.load(a.start)

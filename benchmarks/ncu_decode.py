@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:_split_kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \\
-        python3 benchmarks/ncu_decode.py sparse 8 32768
+        python3 -m benchmarks.ncu_decode sparse 8 32768
 
 PASS is "sparse" (a reuse layer), "score" (an anchor's scoring pass) or "dense"; Llama-3.1-8B shapes (32 query
 heads, 8 KV heads, D = 128), bf16, 10 % budget, launches as the library makes them.
@@ -14,18 +14,19 @@ import argparse
 
 import torch
 
+from benchmarks.common.shapes import DECODE_BUDGET as BUDGET
+from benchmarks.common.shapes import MODELS
+from benchmarks.common.shapes import decode_inputs as make
 from kascade.ops.triton import decode as td
 
-from decode import BUDGET, MODELS, make  # noqa: E402  (run from benchmarks/)
 
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pass_", metavar="PASS", choices=("sparse", "score", "dense"))
     ap.add_argument("B", type=int)
     ap.add_argument("N", type=int)
     ap.add_argument("--repeat", type=int, default=4)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     B, N = args.B, args.N
     HQ, H, D = MODELS["llama-3.1-8b"]
     q, k, v = make(B, HQ, H, N, D, torch.device("cuda"))

@@ -1,6 +1,6 @@
 """Measured vs modelled: the whole-model attention time of a plan, timed layer after layer, against the cost model.
 
-    python benchmarks/plan_speed.py --device cuda --plans default fast balanced faithful docs/frontier/plans/dp-8.json \
+    python -m benchmarks.plan_speed --device cuda --plans default fast balanced faithful PLAN.json \
         --mode decode --batch 32 --length 131072 --out OUT
 
 The cost model (:func:`kascade.costs.plan_speedup`) adds up per-layer kernel times measured one layer kind at a time.

@@ -1,6 +1,6 @@
 """Prefill attention per layer: dense baselines vs Kascade's layer 0, anchor and reuse layers (Triton), one GPU call.
 
-    python benchmarks/prefill.py [--out DIR] [--ns 8192,32768,65536,131072] [--batches 1,4] [--no-sweep] [--no-flex]
+    python -m benchmarks.prefill [--out DIR] [--ns 8192,32768,65536,131072] [--batches 1,4] [--no-sweep] [--no-flex]
 
 1. Checks every Triton prefill kernel against the reference ops on small random cases (varied lengths, chunked
    prefill offset, G = 4 and 3, D = 128 and 64, bf16).
@@ -15,7 +15,7 @@
    path (beyond inputs and the returned indices, which are reported on their own).
 
 Timing: triton.testing.do_bench(return_mode="median") after a warm-up. Ratios are against cuDNN in the same run.
-Writes prefill.json and the table prefill_table.md under --out (default docs/benchmarks/).
+Writes prefill.json and the table prefill_table.md under --out (default out/prefill).
 """
 
 from __future__ import annotations
@@ -23,33 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import time
 
 import torch
 import torch.nn.functional as F
-
-
 import triton
 
-from kascade.budget import Budget
-from kascade.costs_measure import cuda_us
+from benchmarks.common import log, out_folder
+from benchmarks.common.shapes import DT, MODELS
+from benchmarks.common.shapes import PREFILL_BUDGET as BUDGET
+from benchmarks.common.shapes import first_keys
+from benchmarks.common.shapes import prefill_inputs as inputs
+from benchmarks.common.timing import median_ms as bench
 from kascade.ops import reference
-from kascade.ops.selection import Selection
 from kascade.ops.triton import prefill as tp
-
-BUDGET = Budget(ratio=0.1, k_min=128, tile=32)
-MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
-DT = torch.bfloat16
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def bench(fn):
-    """Median ms (kascade.costs_measure.cuda_us: do_bench for short ops, three event-timed runs for long ones)."""
-    return cuda_us(fn) / 1e3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,21 +86,6 @@ def check():
 # ----------------------------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------------------------
-def inputs(HQ, H, D, N, seed=0, B=1, device="cuda"):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(B, HQ, N, D, device=device, generator=g).to(DT)
-    k = torch.randn(B, H, N, D, device=device, generator=g).to(DT)
-    v = torch.randn(B, H, N, D, device=device, generator=g).to(DT)
-    return q, k, v
-
-
-def first_keys(sel: Selection) -> Selection:
-    """The same number of keys per tile, but the sequence's first ones (no gather): the sparse kernel's own cost."""
-    idx = sel.indices
-    ar = torch.arange(idx.shape[-1], device=idx.device, dtype=idx.dtype)
-    return Selection(indices=torch.where(idx >= 0, ar, -1), row_start=sel.row_start, tile=sel.tile, decode=False)
-
-
 def sweep(results, N=32768, device="cuda"):
     """Launch configurations at N = 32K, each timed (ms) into results["sweep_32k"] and printed; one that does not
     compile is reported, not fatal. (``N``, ``device``: the tests' dry run, every entry once at a small N in the
@@ -285,18 +257,17 @@ def measure(name, HQ, H, D, N, flex, B=1):
     return row
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"),
-                    help="folder for prefill.json and prefill_table.md (default: docs/benchmarks/)")
+    ap.add_argument("--out", default=None, help="folder for prefill.json and prefill_table.md (default out/prefill)")
     ap.add_argument("--ns", default="8192,32768,65536,131072", help="comma list of sequence lengths N")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the launch-configuration and option sweep at N = 32K (run 11's 68 entries and the 32K "
                          "rows took 237 s on the H200; it has 56 entries now)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes minutes)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = ap.parse_args(argv)
+    args.out = str(out_folder(args.out, "prefill"))
     t_start = time.time()
     props = torch.cuda.get_device_properties(0)
     header = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "

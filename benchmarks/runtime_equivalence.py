@@ -1,8 +1,8 @@
 """Record what the runtime computes, so that a change to it can be shown to change nothing.
 
-    python benchmarks/runtime_equivalence.py record --out before.pt [--device cpu|cuda] [--dtypes fp32 bf16]
+    python -m benchmarks.runtime_equivalence record --out before.pt [--device cpu|cuda] [--dtypes fp32 bf16]
                                                     [--backend reference|triton|auto]
-    python benchmarks/runtime_equivalence.py compare before.pt after.pt [--atol X]
+    python -m benchmarks.runtime_equivalence compare before.pt after.pt [--atol X]
 
 ``record`` runs the default model (SmolLM2-135M-Instruct) through ``kascade.enable`` with every shipped plan, the
 uncalibrated uniform plan, a smaller ``k_min`` (so that the ratio, not the floor, sets the budget), plans with each

@@ -1,13 +1,13 @@
 """Re-make the default model's shipped plan with the best variant the fast kernels serve, one GPU call:
 
-    python benchmarks/ship_plan.py --model /root/stage/smollm2.gguf --out $OUT [--variants-best plan_best.json]
+    python -m benchmarks.ship_plan --model MODEL.gguf --out OUT [--variants-best plan_best.json]
 
 1. Statistics on 16 dev windows of 8K tokens (as for the first shipped plan), the DP's anchors.
 2. Fidelity-driven anchor search with the faithful reuse rule (anchors + head map only: the Triton fast path serves
    it), scored by measured KL on dev windows of both target lengths (2 x 4K + 2 x 8K, disjoint from the
    calibration windows), so that one plan serves both; the same search with the per-layer-budget rule.
 3. Held-out evaluation (eval split; 8 x 4K, 5 x 8K windows) of: the shipped faithful plan, the searched plan, the
-   searched plan with per-layer budgets, and (if given) benchmarks/variants.py's best plan; the searched plan
+   searched plan with per-layer budgets, and (if given) benchmarks.variants' best plan; the searched plan
    also with the Triton backend (same plan through the fast kernels; bf16 model for that row).
 Writes plan_searched.json, plan_searched_layer_budget.json, ship.json, ship.md into --out.
 """
@@ -16,41 +16,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
 
 import torch
 
 from kascade import KascadePlan, text
 from kascade.calibrate import collect_stats, plan_from_stats
 from kascade.calibrate import dp_anchors, plan_for_rule, search_anchors
-from kascade.fidelity import DenseReference, compare_plans
+from benchmarks.common import log, out_folder
+from benchmarks.common.fidelity import evaluate
+from kascade.fidelity import DenseReference
 from kascade.models import load_model
 from kascade.plan import default_plan
 
 
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def evaluate(model, plans: dict, windows, backend: str) -> dict:
-    """Per plan: agreement / KL against dense pooled over the windows, and the attended fraction of keys."""
-    return {n: f.as_dict() for n, f in compare_plans(model, plans, windows, backend=backend, account=True).items()}
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default="out/ship")
-    ap.add_argument("--variants-best", default=None, help="plan_best.json of benchmarks/variants.py (evaluated too)")
+    ap.add_argument("--out", default=None, help="output folder (default out/ship_plan)")
+    ap.add_argument("--variants-best", default=None, help="plan_best.json of benchmarks.variants (evaluated too)")
     ap.add_argument("--search-evals", type=int, default=36)
     ap.add_argument("--alpha", type=float, default=0.5)
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a = ap.parse_args(argv)
+    out = out_folder(a.out, "ship_plan")
 
     import transformers
     import triton

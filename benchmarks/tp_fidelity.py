@@ -1,6 +1,6 @@
 """Fidelity of Kascade's tensor-parallel plans against dense attention, teacher-forced on held-out windows (CPU):
 
-    python benchmarks/tp_fidelity.py --out docs/tensor_parallel
+    python -m benchmarks.tp_fidelity --out OUT
 
 Under tensor parallelism a plan runs one of two ways. With ``kascade.enable(model, plan, exchange=True)`` the ranks
 all-gather the anchors' selections and run the plan unchanged: its logits equal the single-process plan's
@@ -33,17 +33,12 @@ from pathlib import Path
 import torch
 
 import kascade
+from benchmarks.common import log, out_folder
 from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats, plan_from_stats
 from kascade.fidelity import compare_plans
 from kascade.bench.report import cpu_name
 from kascade.plan import shipped_plan
-
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
 
 
 def row(name: str, plan: KascadePlan, tp: int, fid) -> dict:
@@ -139,9 +134,9 @@ def write(out: Path, res: dict) -> None:
     (out / "fidelity.md").write_text("\n".join(lines))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="docs/tensor_parallel", help="folder for fidelity.json and fidelity.md")
+    p.add_argument("--out", default=None, help="folder for fidelity.json and fidelity.md (default out/tp_fidelity)")
     p.add_argument("--models", nargs="+", default=["default", "tiny"], choices=["default", "tiny"])
     p.add_argument("--length", type=int, default=2048, help="default model: tokens per eval window")
     p.add_argument("--windows", type=int, default=3, help="default model: eval windows")
@@ -154,7 +149,7 @@ def main() -> None:
     p.add_argument("--tiny-tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tiny model: tensor-parallel sizes")
     p.add_argument("--tiny-seed", type=int, default=0, help="seed of the tiny model's random weights")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     for name in ("length", "windows", "tiny_length", "tiny_windows", "tiny_stats_windows", "tiny_layers",
                  "tiny_anchors"):
         if getattr(a, name) < 1:
@@ -167,8 +162,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     import transformers
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(a.out, "tp_fidelity")
     header = (f"machine: CPU {cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads, shared "
               f"with other work); torch {torch.__version__}; transformers {transformers.__version__}; fp32, reference "
               "backend")

@@ -1,6 +1,6 @@
 """Reuse variants against the paper's rule and the oracle at the same cost, one GPU call:
 
-    python benchmarks/variants.py --model /root/stage/smollm2.gguf --device cuda --out $OUT
+    python -m benchmarks.variants --model MODEL.gguf --device cuda --out OUT
 
 Stages (results are written after each, so a run cut short keeps what it finished; --skip drops stages):
   1 calibrate  streamed statistics on "dev" windows at every --lengths (one set per length)
@@ -28,24 +28,15 @@ from kascade import KascadePlan, ModelFingerprint, text
 from kascade.calibrate import collect_stats
 from kascade import calibrate as cv
 from kascade.eval import ruler
-from kascade.fidelity import DenseReference, compare_plans
+from kascade.eval.runner import _attended_fraction  # the evaluation's own accounting of attended keys
+from benchmarks.common import log, out_folder
+from benchmarks.common.fidelity import evaluate
+from kascade.fidelity import DenseReference
 from kascade.integration.hf import enable
 from kascade.models import load_model
 
 GOAL = {8192: (0.95, 0.02), 4096: (0.92, None)}
 STAGES = ("calibrate", "screen", "search", "eval", "niah")
-
-
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def evaluate(model, plans: dict, windows, backend: str) -> dict:
-    """Per plan: agreement / KL against dense pooled over the windows, and the attended fraction of keys."""
-    return {n: f.as_dict() for n, f in compare_plans(model, plans, windows, backend=backend, account=True).items()}
 
 
 @torch.no_grad()
@@ -140,11 +131,11 @@ def write(out: Path, res: dict, plans: dict, header: str, lengths, niah_lengths)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default="out/variants")
+    p.add_argument("--out", default=None, help="output folder (default out/variants)")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--anchors", type=int, default=6)
     p.add_argument("--cal-windows", type=int, default=6, help="calibration windows per length (dev split)")
@@ -159,13 +150,12 @@ def main():
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES)
     p.add_argument("--backend", default="reference", choices=["reference", "auto", "triton"],
                    help="attention backend for every run (default: reference, the specification)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if len(a.eval_windows) == 1:
         a.eval_windows = a.eval_windows * len(a.lengths)
     if len(a.eval_windows) != len(a.lengths):
         raise SystemExit("--eval-windows needs one count, or one per --lengths")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(a.out, "variants")
     torch.manual_seed(0)
     model, tok = load_model(a.model, device=a.device, dtype=torch.float32)
     fp = ModelFingerprint.from_model(model)

@@ -1,52 +1,131 @@
-"""The GPU-only benchmark scripts (benchmarks/) do not run in CI; at least they must parse, so that a device call is
-never spent on a syntax error."""
+"""The benchmarks package (benchmarks/): the GPU-only scripts do not run in CI, so they must at least parse (a device
+call is never spent on a syntax error), keep the package's layering (a script imports only kascade and
+benchmarks.common, never another script, and edits no sys.path), name no machine's paths, stay readable in size,
+and write their tables outside the documentation."""
 
 import ast
 import pathlib
 import py_compile
+import re
 import subprocess
 
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+SOURCES = sorted(BENCHMARKS.rglob("*.py"))
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
+ALLOWED = re.compile(r"^benchmarks\.common(\.|$)")  # the one part of the benchmarks package a script imports
 
 
-@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
-def test_python_scripts_compile(path, tmp_path):
+def _rel(path):
+    return str(path.relative_to(BENCHMARKS))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_rel)
+def test_python_files_compile(path, tmp_path):
     py_compile.compile(str(path), cfile=str(tmp_path / "x.pyc"), doraise=True)
 
 
-@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.sh")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.sh")), ids=_rel)
 def test_shell_scripts_parse(path):
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
-def test_tables_written_do_not_replace_the_documentation_pages():
-    """The scripts write their tables under --out, which for some defaults to docs/benchmarks/: no file name they
-    write (a ".md" string in their source) may be one of the hand-written pages there (prefill.py once wrote
-    prefill.md, decode.py decode.md, over the pages that explain every run)."""
-    docs = BENCHMARKS.parent / "docs" / "benchmarks"
-    pages = {p.name for p in docs.glob("*.md") if p.read_text().startswith("# ")}
-    assert {"prefill.md", "decode.md", "jax.md"} <= pages
-    for path in BENCHMARKS.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".md"):
-                assert node.value not in pages, f"{path.name} writes {node.value}, a documentation page"
+def _imports(path):
+    """(module, level) of every import in the file, those inside functions too."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.module or "", node.level))
+    return out
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=_rel)
+def test_a_script_imports_kascade_and_the_common_floor_only(path):
+    """Of the project's code a script imports kascade and benchmarks.common, nothing else: no other script (by
+    package, relative or plain name) and no benchmarks package but the common one."""
+    names = {p.stem for p in SCRIPTS}
+    for module, level in _imports(path):
+        assert level == 0, f"{path.name}: a relative import"
+        top = module.split(".")[0]
+        assert top not in names, f"{path.name} imports the script {module}"
+        if top == "benchmarks":
+            assert ALLOWED.match(module), f"{path.name} imports {module}"
+
+
+@pytest.mark.parametrize("path", sorted((BENCHMARKS / "common").glob("*.py")), ids=_rel)
+def test_the_common_floor_imports_no_script(path):
+    names = {p.stem for p in SCRIPTS}
+    for module, level in _imports(path):
+        if level:  # relative: within benchmarks.common
+            assert level == 1, f"{path.name}: from {'.' * level}{module} leaves benchmarks.common"
+        else:
+            assert module.split(".")[0] not in names, f"{path.name} imports the script {module}"
+            assert module.split(".")[0] != "benchmarks" or ALLOWED.match(module), f"{path.name} imports {module}"
+
+
+def _text_files():
+    return [p for p in sorted(BENCHMARKS.rglob("*")) if p.suffix in (".py", ".sh")]
+
+
+def test_no_file_edits_sys_path():
+    for path in _text_files():
+        assert not re.search(r"sys\.path\.(insert|append)|syspath_prepend", path.read_text()), path.name
+
+
+def test_no_machine_paths():
+    """Usage lines and defaults name no folder of one machine (the GPU machine's /root/..., a home folder)."""
+    for path in _text_files():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"/root\b|/home/\w|/work/\w", line), f"{path.name}:{n}: {line.strip()}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_rel)
+def test_no_file_is_over_500_lines(path):
+    assert len(path.read_text().splitlines()) <= 500, path.name
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=_rel)
+def test_a_script_runs_as_a_module_with_usage_lines_that_say_so(path):
+    """Every script has a ``__main__`` entry, and the command lines in its docstring are ``python -m benchmarks.NAME``
+    (the package's imports need it), not a path to the file."""
+    text = path.read_text()
+    assert 'if __name__ == "__main__":' in text, path.name
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    assert f"benchmarks.{path.stem}" in doc, f"{path.name}: its docstring shows no python -m command"
+    assert not re.search(r"python3? benchmarks/\w+\.py", text), path.name
+
+
+def test_tables_are_written_outside_the_documentation():
+    """Every --out default is ``out/<name>`` (``benchmarks.common.out_folder``) or required, and no script names a
+    folder of the documentation (docs/) or of the package's data: committed figures are curated into
+    src/kascade/results by hand (the scripts once wrote their tables over the pages that explained every run). The one
+    exception is benchmarks.tables, whose job is to rewrite the marked results tables of the README and the manual."""
+    for path in (p for p in SCRIPTS if p.name != "tables.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not re.search(r"(^|\s)(docs|src/kascade/results)/", node.value), (path.name, node.value)
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
+                    and getattr(node.args[0], "value", None) == "--out"):
+                kw = {k.arg: k.value for k in node.keywords}
+                default = getattr(kw.get("default"), "value", None)
+                required = getattr(kw.get("required"), "value", False)
+                assert required or default is None, f"{path.name}: --out default {default!r}"
 
 
 def test_prefill_sweep_entries_all_run(monkeypatch):
-    """Every entry of benchmarks/prefill.py's sweep runs (once, untimed, at N = 96 on the test device: the Triton
+    """Every entry of benchmarks.prefill's sweep runs (once, untimed, at N = 96 on the test device: the Triton
     interpreter in CI): a device call's sweep loses no entry to a keyword, an assert or a launch the CPU could have
     caught (a failed entry is logged and timed as NaN, not fatal, so only this test would say)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import math
-    import sys
 
     from kernel_checks import DEVICE
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sys.modules.pop("prefill", None)
-    import prefill
+    from benchmarks import prefill
 
     ran = []
     monkeypatch.setattr(prefill, "bench", lambda fn: ran.append(fn()) or 1.0)
@@ -59,18 +138,15 @@ def test_prefill_sweep_entries_all_run(monkeypatch):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_gather_floor_kernel_reads_the_selected_rows(monkeypatch, stream):
-    """benchmarks/gather_floor.py's kernel (decode.py's floor under the reuse layer) reads exactly the rows of each
-    index row (or, streaming, as many consecutive rows), every split of them once: its sums equal torch's."""
+def test_gather_floor_kernel_reads_the_selected_rows(stream):
+    """The floor kernel under the reuse layer (benchmarks.common.gather, which benchmarks.decode records per shape)
+    reads exactly the rows of each index row (or, streaming, as many consecutive rows), every split of them once:
+    its sums equal torch's."""
     pytest.importorskip("triton", reason="triton is not installed")
-    import sys
-
     import torch
     from kernel_checks import DEVICE
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sys.modules.pop("gather_floor", None)
-    import gather_floor
+    from benchmarks.common import gather
 
     g = torch.Generator().manual_seed(3)
     B, H, N, D, K = 2, 3, 300, 64, 77
@@ -78,7 +154,7 @@ def test_gather_floor_kernel_reads_the_selected_rows(monkeypatch, stream):
     v = torch.randn(B, H, N, D, generator=g).to(DEVICE)
     idx = torch.stack([torch.randperm(N, generator=g)[:K].sort().values for _ in range(B * H)]).view(B, H, 1, K)
     idx = idx.to(torch.int32).to(DEVICE)
-    run, out = gather_floor.gather_launch(k, v, idx, block_n=32, num_warps=4, programs_per_sm=1, stream=stream, sms=18)
+    run, out = gather.gather_launch(k, v, idx, block_n=32, num_warps=4, programs_per_sm=1, stream=stream, sms=18)
     assert out.shape[2] > 1  # several splits
     run()
     rows = torch.arange(K, device=DEVICE).expand(B, H, K) if stream else idx[:, :, 0].long()

@@ -1,17 +1,13 @@
-"""benchmarks/plan_speed.py (a plan's whole-model attention time against the cost model) at tiny sizes on the CPU:
+"""benchmarks.plan_speed (a plan's whole-model attention time against the cost model) at tiny sizes on the CPU:
 the transplanted plans keep what a plan costs, and a run writes every plan's row."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import plan_speed  # noqa: E402
-
-from kascade import costs  # noqa: E402
-from kascade.costs_measure import shape_named  # noqa: E402
+from benchmarks import plan_speed
+from kascade import costs
+from kascade.costs_measure import shape_named
 
 
 def test_transplant_keeps_layers_budgets_and_the_number_of_sources():

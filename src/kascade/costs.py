@@ -5,8 +5,8 @@
     costs.anchor(0.05), costs.reuse(0.2)                                         # relative to one dense layer
 
 A forward pass's attention time is the sum of its layers' times (the model average of the kernel benchmarks,
-``docs/benchmarks/decode.md`` and ``prefill.md``); a layer's time, relative to a dense layer, depends on its kind and
-on the fraction ``f`` of the keys it attends:
+``python -m benchmarks.decode`` and ``benchmarks.prefill``); a layer's time, relative to a dense layer, depends on
+its kind and on the fraction ``f`` of the keys it attends:
 
 - layer 0: dense attention plus a selection, ``layer0`` (its output is dense: no ``f``);
 - an anchor: scoring + top-k (``select``, measured at the base budget) plus sparse attention over ``f`` of the keys;
@@ -14,13 +14,14 @@ on the fraction ``f`` of the keys it attends:
 
 Sparse attention is modelled as proportional to the keys it reads (``time(f) = time(ratio) * f / ratio``, with
 ``ratio`` the budget the kernels were timed at): the reuse kernels gather rows at a steady rate at B >= 8 and N >=
-32K (``decode.md``: 2.9-4.1 TB/s). It is optimistic for budgets below the measured one where launch latency
+32K (2.9-4.1 TB/s in the decode benchmark). It is optimistic for budgets below the measured one where launch latency
 dominates (B = 1, N <= 32K) and the selection's cost is taken at the measured budget whatever the depth of the
 ranking. ``f`` is :meth:`kascade.Budget.decode_counts` over ``N`` for both modes (prefill rows keep the same
 fraction of their causal keys: 0.09998 measured at 10%).
 
-The numbers ship in ``kascade/costs.json`` (per GPU: per shape, mode, batch and length, with the file and fields
-they were copied from); only measured configurations are served. A table measured on another GPU by ``kascade costs``
+The numbers ship in the per-card results files, ``kascade/results/<card>.json`` (the measurements the README and the
+manual quote), as each file's ``costs`` table (per shape, mode, batch and length, with the run they come from); today
+the H200's. Only measured configurations are served. A table measured on another GPU by ``kascade costs``
 (:mod:`kascade.costs_measure`, same format) is read with :func:`load_table` and passed as ``table=`` to every function
 here; ``gpu`` then defaults to the table's only GPU.
 """
@@ -44,11 +45,17 @@ DEFAULT_SHAPE = "llama-3.1-8b"
 DEFAULT_BATCH = {"decode": 32, "prefill": 1}
 DEFAULT_LENGTH = 131072
 BASELINES = ("best", "ours")  # dense: the fastest measured kernel, or our own (what `kascade bench` runs)
+CARDS = ("h100", "h200")  # kascade/results/<card>.json; a card whose file has a ``costs`` table is served
 
 
 @functools.cache
 def _table() -> dict:
-    return json.loads((resources.files("kascade") / "costs.json").read_text())
+    table = {"format": FORMAT}
+    for card in CARDS:
+        results = json.loads((resources.files("kascade") / "results" / f"{card}.json").read_text())
+        if "costs" in results:
+            table[card] = results["costs"]
+    return table
 
 
 def load_table(path) -> dict:

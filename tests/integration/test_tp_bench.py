@@ -1,4 +1,4 @@
-"""benchmarks/tp_bench.py as the two-GPU run will use it, on CPUs: torchrun, 2 gloo ranks, the tiny model. It must
+"""benchmarks.tp_bench as the two-GPU run will use it, on CPUs: torchrun, 2 gloo ranks, the tiny model. It must
 run end to end (random weights written by rank 0, a reference, the sharded model, the one-device baseline), find
 tensor-parallel Kascade equal to one process (shard-local and exchange), count the exchange's bytes as the cost model
 says, and time every mode."""
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "tp_bench.py"
+ROOT = Path(__file__).parents[2]  # python -m benchmarks.tp_bench runs from the repository root
 
 
 def _free_port() -> int:
@@ -22,11 +22,12 @@ def _free_port() -> int:
 def test_tp_bench_runs_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           str(SCRIPT), "--tiny", "--out", str(out), "--weights-dir", str(tmp_path / "weights"),
+           "-m", "benchmarks.tp_bench", "--tiny", "--out", str(out), "--weights-dir", str(tmp_path / "weights"),
            "--lengths", "64", "--batches", "2", "--check-lengths", "40", "130", "--check-tokens", "3",
            "--repeats", "2", "--decode-steps", "3", "--exchange-iters", "5"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "done" and res["machine"]["ranks"] == 2

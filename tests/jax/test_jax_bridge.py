@@ -99,7 +99,7 @@ def test_dlpack_hands_buffers_over_without_copies():
 
 def test_triton_geometry_stays_on_the_host():
     """The Triton backend's kv_start is read on the host by the torch op: the JAX side keeps it a NumPy array (no JAX
-    dispatch, no read-back from the device per call; docs/benchmarks/jax.md), with the same values and checks."""
+    dispatch, no read-back from the device per call; docs/jax.md), with the same values and checks."""
     from kascade.jax import _geometry
 
     q, k, v = _qkv(device=kernel_device())

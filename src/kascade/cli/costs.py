@@ -27,8 +27,9 @@ def add_costs(sub) -> None:
         description="Times one attention layer of each kind with random inputs on --device: dense (the faster of "
         "torch SDPA and Kascade's dense kernel), layer 0 (dense + selection), an anchor (selection + sparse "
         "attention) and a reuse layer (sparse attention), for every --modes, --batches and --lengths, at the "
-        "--ratio budget, and writes them to --out in the format of the shipped H200 table (kascade/costs.json). "
-        "kascade calibrate --cost-table FILE --target-speedup X then models the speedup with them. The output file "
+        "--ratio budget, and writes them to --out in the format of the shipped H200 table (the costs table of "
+        "kascade/results/h200.json). kascade calibrate --cost-table FILE --target-speedup X then models the "
+        "speedup with them. The output file "
         "is checked before anything runs, every configuration prints one line, and the file is rewritten after "
         "each one, so an interrupted run keeps what it measured. A configuration that does not fit the free "
         "memory is skipped and its reason recorded. On a CPU the times are for testing only (the file says so).",

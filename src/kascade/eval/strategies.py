@@ -26,7 +26,7 @@ Kascade with other reuse rules or anchors (:data:`VARIANTS`; same anchor count a
 ``kascade-any-anchor``, ``kascade-union2``, ``kascade-layer-budget`` keep the plan's anchors and need calibration
 statistics (``stats``); ``kascade-length`` needs statistics at several lengths; ``kascade-search`` and
 ``kascade-best`` need a plan made beforehand (``variant_plans``, from ``kascade calibrate --method`` or
-``benchmarks/variants.py``).
+``python -m benchmarks.variants``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _variant(name, fp, base, b, stats, variant_plans):
                                    f"{rules.RECENT:.0%} of the budget"), None
     if name in ("kascade-search", "kascade-best"):
         raise ValueError(f"strategy {name!r} needs a plan made beforehand (variant_plans={{{name!r}: plan}}; see "
-                         "`kascade calibrate --method search` or benchmarks/variants.py)")
+                         "`kascade calibrate --method search` or python -m benchmarks.variants)")
     if not stats:
         raise ValueError(f"strategy {name!r} needs calibration statistics (stats: {{length: CalibrationStats}})")
     stats = stats if isinstance(stats, dict) else {stats.seq_len: stats}

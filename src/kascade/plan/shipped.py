@@ -15,12 +15,12 @@ from .kascade_plan import KascadePlan, ModelFingerprint
 SHIPPED_VARIANTS = {
     "default": "the library's default, the most accurate at the paper's cost: anchors chosen by measured fidelity, "
                "per-layer budgets from each layer's measured sensitivity (same average budget; its anchors rank up "
-               "to 2x deeper, see docs/variants)",
+               "to 2x deeper, see docs/design/plans.md)",
     "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
                 "cheapest decode selection)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
     "fast": "the paper's method at the most anchors whose modelled decode attention speedup is >= 4x (H200, "
-            "Llama-3.1-8B kernel times, batch 32, 128K tokens; kascade.costs): see docs/frontier",
+            "Llama-3.1-8B kernel times, batch 32, 128K tokens; kascade.costs): see docs/results.md",
     "balanced": "the paper's method at the most anchors modelled >= 3.5x faster decode attention (as \"fast\")",
 }
 

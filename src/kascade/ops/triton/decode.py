@@ -177,9 +177,10 @@ def _gp(G: int) -> int:
 
 # Launch configuration of each pass of the split-K kernel: (BLOCK_N at D <= 128, num_warps, num_stages, programs
 # per multiprocessor, whether the split count rounds up to reach them). From a per-shape sweep on an H200
-# (benchmarks/decode_configs.py, Llama and default-model shapes, B 1-32, N 32K-128K; docs/benchmarks/
-# decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes per pipeline stage; not swept). Rounding down
-# keeps the programs within one wave (a second, partly filled wave cost up to 30 % in the sweep).
+# (python -m benchmarks.decode_configs, Llama and default-model shapes, B 1-32, N 32K-128K; the sweep:
+# git show c30057b:docs/benchmarks/decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes per pipeline
+# stage; not swept). Rounding down keeps the programs within one wave (a second, partly filled wave cost up to 30 %
+# in the sweep).
 #   dense:        the plain dense decode (our baseline; the SDPA kernel is usually the faster); not swept again, it
 #                 keeps its earlier rule, rounded up (rounded down, at B = 32, 128K, it took one split instead of two
 #                 and 3,988 us instead of 3,758, decode_run7.json).
@@ -342,7 +343,7 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
     the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of the
     selection's indices, int64 (default) or int32 (the Triton steps' :attr:`kascade.ops.Step.index_dtype`: half the
-    memory, and the sparse kernel reading them 2-3% faster, docs/benchmarks/decode.json ``reuse_int32``).
+    memory, and the sparse kernel reading them 2-3% faster, the decode benchmark's ``reuse_int32``).
 
     ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, depth)`` keys in descending pooled probability,

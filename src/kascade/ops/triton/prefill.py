@@ -529,7 +529,7 @@ def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
 
 # The radix top-k's first histogram counts exponents under a bound of each row's k-th value (a row pools G x T
 # queries' probabilities, so it sums to at most G x T); False: the whole bit pattern from the top, no bound
-# (benchmarks/prefill.py times both).
+# (python -m benchmarks.prefill times both).
 TOPK_BOUND = True
 
 
@@ -548,7 +548,7 @@ def score_fma_exp(D: int) -> int:
 # The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
 # 1 MiB larger than asked for whole, and torch.cuda.max_memory_allocated counts the whole block; three allocations
 # of a selection may be that large (the LSE, a chunk's score buffer and its histograms): 3 MiB of the default 64 MiB.
-# (With 1/64 the H200 measured 64.5 MB at the default model's 32K shapes, docs/benchmarks/prefill.md run 9.)
+# (With 1/64 the H200 measured 64.5 MB at the default model's 32K shapes, run 9 of docs/design/kernels.md.)
 ALLOCATOR_RESERVE = 3 / 64
 
 
@@ -574,7 +574,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
 
     ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
     tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
-    docs/benchmarks/prefill.md) or "topk" (``torch.topk``).
+    docs/design/kernels.md) or "topk" (``torch.topk``).
 
     Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 3/64 of it kept for the caching
     allocator (:data:`ALLOCATOR_RESERVE`). When the LSE is not given it is made for a group of sequences

