@@ -66,13 +66,15 @@ def _head_map(plan: KascadePlan, layer: int, device: torch.device, heads_key) ->
     row = [heads.stored(plan.head_map[layer][h], layer, anchor) for h in heads.own(plan.fingerprint.num_kv_heads)]
     if row == list(range(len(row))) and not heads.gathered:
         return None
-    return torch.tensor(row, dtype=torch.long).to(device)
+    return torch.tensor(row, dtype=torch.long, device=device)  # made on the device: no host constant in a graph
 
 
 def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
     """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer, device and
     head layout; an identity map returns ``sel`` itself)."""
-    hm = _head_map(plan, layer, sel.indices.device, heads.key())
+    # while torch.compile traces, the map is a constant of the graph: the cache wrapper is skipped (dynamo would warn)
+    head_map = _head_map.__wrapped__ if torch.compiler.is_compiling() else _head_map
+    hm = head_map(plan, layer, sel.indices.device, heads.key())
     return sel if hm is None else sel.take_heads(hm)
 
 
