@@ -46,14 +46,16 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     if isinstance(q_offset, torch.Tensor) and q_length == 1:
         # Static cache, decode step: kv_start stays on the device. The cache advances this very tensor in place
         # during the forward, hence the copy. The mask is checked as in every other pass (a hole in it would be
-        # ignored, not refused), except while a CUDA graph is being captured: a check must read the mask back, and
-        # the graph's masks are the decoder's own (GraphDecoder), left padding by construction.
+        # ignored, not refused), except while a CUDA graph is being captured or torch.compile traces: a check must
+        # read the mask back. The masks of those steps come from a decoder that extends a checked prompt's mask
+        # (GraphDecoder; generate, which also builds a static cache's mask before its compiled forward, eagerly, so
+        # that the check runs there): left padding by construction.
         q_dev = q_offset.reshape(()).clone() - int(kv_offset)
         if attention_mask is None:
             return KeyMask(kv_start=None, q_offset=q_dev)
         _check_2d(attention_mask)
         valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-        if not (valid.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not (torch.compiler.is_compiling() or (valid.is_cuda and torch.cuda.is_current_stream_capturing())):
             _left_padding_start(valid, int(q_dev) + 1)
         return KeyMask(kv_start=valid.to(torch.int32).argmax(1), q_offset=q_dev)
     q_slot = int(q_offset) - int(kv_offset)

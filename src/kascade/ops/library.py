@@ -37,6 +37,7 @@ import torch
 from ..budget import Budget
 from . import reference
 from .selection import Selection
+from .step import DecodeMeta
 
 NAMESPACE = "kascade"
 
@@ -46,19 +47,33 @@ def _budget(ratio: float, k_min: int, tile: int = 32, rolling: bool = True) -> B
     return Budget(ratio=ratio, k_min=k_min, tile=tile, rolling=rolling)
 
 
-def _triton(decode: bool):
-    from .triton import decode as d, prefill as p
+_KERNELS: list = []
 
-    return d if decode else p
+
+def _triton(decode: bool):
+    """The launcher module (imported on first use: Triton is optional; looked up per call, so that a test's spy on a
+    launcher sees the call)."""
+    if not _KERNELS:
+        from .triton import decode as d, prefill as p
+
+        _KERNELS[:] = [p, d]
+    return _KERNELS[decode]
+
+
+_LAST_META: list = [None]
 
 
 def _meta(meta: torch.Tensor, keys: int, budget: Budget | None):
-    """The launchers' :class:`~kascade.ops.step.DecodeMeta` of a device ``meta``: every sequence bounded by ``keys``."""
-    from .step import DecodeMeta
-
+    """The launchers' :class:`~kascade.ops.step.DecodeMeta` of a device ``meta``: every sequence bounded by ``keys``.
+    The last one made is kept: every anchor of a decode step passes the same tensor (and its memo of ranked counts
+    then serves them all)."""
+    last = _LAST_META[0]
+    if last is not None and last[0] is meta and last[1] == keys and last[2] is budget:
+        return last[3]
     B = meta.shape[0]
-    return DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B,
-                      paged=False)
+    dm = DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B, paged=False)
+    _LAST_META[0] = (meta, keys, budget, dm)
+    return dm
 
 
 def decode_width(keys: int, ratio: float, k_min: int, depth: Optional[float]) -> int:

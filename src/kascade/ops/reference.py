@@ -318,9 +318,12 @@ def _decode_scores(q, k, meta, scale):
     return s.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1), valid
 
 
-def _decode_out(p, v, q):
+def _decode_out(p, v, q, valid):
+    """``p @ v`` with the values of invalid slots taken as zeros (whatever they hold: a weight of 0 times a NaN
+    would still be a NaN)."""
     B, HQ, _, D = q.shape
-    return torch.einsum("bhgn,bhnd->bhgd", p, v.to(p.dtype)).reshape(B, HQ, 1, D).to(q.dtype).contiguous()
+    v = v.to(p.dtype).masked_fill(~valid[:, None, :, None], 0.0)
+    return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, HQ, 1, D).to(q.dtype).contiguous()
 
 
 def _decode_top(p, valid, meta, budget: Budget, width: int, depth):
@@ -336,8 +339,8 @@ def _decode_top(p, valid, meta, budget: Budget, width: int, depth):
 
 def dense_decode(q, k, v, *, scale: float, meta: torch.Tensor) -> torch.Tensor:
     """:func:`dense_attention` of a decode step whose geometry is ``meta``."""
-    p, _ = _decode_scores(q, k, meta, scale)
-    return _decode_out(p, v, q)
+    p, valid = _decode_scores(q, k, meta, scale)
+    return _decode_out(p, v, q, valid)
 
 
 def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None) -> torch.Tensor:
@@ -350,7 +353,7 @@ def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, wid
 def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None):
     """:func:`dense_decode` and :func:`select_decode` from one softmax. ``-> (out, indices)``."""
     p, valid = _decode_scores(q, k, meta, scale)
-    return _decode_out(p, v, q), _decode_top(p, valid, meta, budget, width, depth)
+    return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, depth)
 
 
 def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) -> torch.Tensor:
@@ -366,4 +369,5 @@ def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) 
     rows = idx.clamp_min(0)[..., None].expand(-1, -1, -1, D)
     s = torch.einsum("bhgd,bhkd->bhgk", q.to(md).view(B, H, HQ // H, D), k.gather(2, rows).to(md)) * scale
     p = s.masked_fill(~ok[:, :, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("bhgk,bhkd->bhgd", p, v.gather(2, rows).to(md)).reshape(B, HQ, 1, D).to(q.dtype).contiguous()
+    vv = v.gather(2, rows).to(md).masked_fill(~ok[..., None], 0.0)  # a padding entry's row: any slot's, unused
+    return torch.einsum("bhgk,bhkd->bhgd", p, vv).reshape(B, HQ, 1, D).to(q.dtype).contiguous()

@@ -127,6 +127,11 @@ class Step:
     index_dtype: torch.dtype = torch.long
     _memo: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        # the shapes every call of the step must have, compared whole on the hot path
+        self.q_shape = torch.Size((self.batch, self.q_heads, self.queries, self.head_dim))
+        self.k_shape = torch.Size((self.batch, self.kv_heads, self.keys, self.head_dim))
+
     @property
     def decode(self) -> bool:
         return self.queries == 1

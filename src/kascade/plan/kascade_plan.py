@@ -9,6 +9,7 @@ The JSON form is :mod:`kascade.plan.json_form`'s; the plans that ship with the p
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -260,7 +261,7 @@ class KascadePlan:
 
     def anchor_of(self, layer: int) -> int:
         """The nearest anchor at or below ``layer``."""
-        return max(a for a in self.anchors if a <= layer)
+        return self.anchors[bisect.bisect_right(self.anchors, layer) - 1]  # anchors: increasing, from 0
 
     def with_budget(self, **changes) -> "KascadePlan":
         """A copy with other budget settings (ratio, k_min, tile, rolling)."""
