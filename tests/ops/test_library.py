@@ -55,18 +55,20 @@ def test_opcheck_decode_ops(backend, depth):
 def test_opcheck_host_geometry_ops(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    q, k, v = _qkv(L=20, N=36)
-    step = plan_step(q, k, budget=BUDGET, kv_start=torch.tensor([0, 5]), q_offset=16, backend=backend)
-    b, ks = BUDGET, step.kv_start
+    q, k, v = _qkv(L=12, N=22)  # two tiles before the queries' (tile 8), one more with them
+    b = Budget(ratio=0.25, k_min=16, tile=8)  # a tile selects min(s, k(N) - 8) of its s earlier keys
+    step = plan_step(q, k, budget=b, kv_start=torch.tensor([0, 5]), q_offset=10, backend=backend)
+    ks = step.kv_start
     rows, width = step.rows, step.counts(1.0)[1]
-    args = (ks, 16, 0.25, b.ratio, b.k_min, b.tile, b.rolling)
-    _opcheck("dense_attention", q, k, v, ks, 16, 0.25, backend)
+    assert width > 0  # the tiles select keys
+    args = (ks, 10, 0.25, b.ratio, b.k_min, b.tile, b.rolling)
+    _opcheck("dense_attention", q, k, v, ks, 10, 0.25, backend)
     _opcheck("select", q, k, *args, None, False, rows, width, step.index_dtype, backend)
     _opcheck("dense_select", q, k, v, *args, 2.0, rows, step.counts(2.0)[1], step.index_dtype, backend)
     idx, row_start = library.OPS["select"](q, k, *args, None, False, rows, width, step.index_dtype, backend)
-    _opcheck("sparse_attention", q, k, v, idx, row_start, None, False, b.tile, ks, 16, 0.25, backend)
+    _opcheck("sparse_attention", q, k, v, idx, row_start, None, False, b.tile, ks, 10, 0.25, backend)
     counts = step.counts(0.5)[0]
-    _opcheck("sparse_attention", q, k, v, idx, row_start, counts, True, b.tile, ks, 16, 0.25, backend)
+    _opcheck("sparse_attention", q, k, v, idx, row_start, counts, True, b.tile, ks, 10, 0.25, backend)
 
 
 def test_the_eager_call_and_the_registered_op_compute_the_same():

@@ -9,7 +9,6 @@ The JSON form is :mod:`kascade.plan.json_form`'s; the plans that ship with the p
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import math
@@ -261,7 +260,12 @@ class KascadePlan:
 
     def anchor_of(self, layer: int) -> int:
         """The nearest anchor at or below ``layer``."""
-        return self.anchors[bisect.bisect_right(self.anchors, layer) - 1]  # anchors: increasing, from 0
+        found = 0
+        for a in self.anchors:  # increasing, from 0 (a loop torch.compile can trace, unlike bisect)
+            if a > layer:
+                break
+            found = a
+        return found
 
     def with_budget(self, **changes) -> "KascadePlan":
         """A copy with other budget settings (ratio, k_min, tile, rolling)."""
