@@ -39,6 +39,9 @@ def _parse(argv):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--anchors", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--launch", action="store_true",
+                   help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
+                   "GPU's time is not, the host does not wait for it)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     return p.parse_args(argv)
 
@@ -69,7 +72,8 @@ def stub_kernels(counts: dict) -> list:
     return saved
 
 
-def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int) -> dict:
+def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int,
+            launch: bool = False) -> dict:
     import torch
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -89,7 +93,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     mods = [SimpleNamespace(_kascade_runtime=runtime, layer_idx=i, training=False, is_causal=True,
                             num_key_value_groups=HQ // H) for i in range(layers)]
     counts: dict = {}
-    saved = stub_kernels(counts)
+    saved = [] if launch else stub_kernels(counts)
     try:
         def qkv(n):
             q = torch.randn(B, 1, HQ, D, dtype=dt, device=dev).transpose(1, 2)  # as the model's view hands it
@@ -120,10 +124,13 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
                         per[kinds[i]].append(t1 - t0)
                     if s == 20:
                         launches.setdefault(kinds[i], {k2: counts.get(k2, 0) - before.get(k2, 0) for k2 in counts})
+                if launch:  # keep the queue of launches short: its time is the GPU's, not the host's
+                    torch.cuda.synchronize()
         dmask = torch.ones(B, 1, 1, keys, dtype=torch.bool, device=dev)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = \
-            lambda query, key, value, **kw: query.new_empty(query.shape[:-1] + value.shape[-1:])
+        if not launch:
+            torch.nn.functional.scaled_dot_product_attention = \
+                lambda query, key, value, **kw: query.new_empty(query.shape[:-1] + value.shape[-1:])
         dense = []
         with torch.no_grad():
             for s in range(20 + steps):
@@ -132,6 +139,8 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
                 t1 = time.perf_counter_ns()
                 if s >= 20:
                     dense.append(t1 - t0)
+                if launch and s % 32 == 31:
+                    torch.cuda.synchronize()
     finally:
         for mod, name, obj in saved:
             setattr(mod, name, obj)
@@ -143,7 +152,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     step_kascade = us["mask function (per step)"] + us["layer 0"] + n_anchor * us["anchor"] + n_reuse * us["reuse"]
     return dict(us=us, launches={k2: sum(v2.values()) for k2, v2 in launches.items()}, launch_detail=launches,
                 step_us=dict(kascade=step_kascade, dense=layers * us["dense (SDPA function)"]),
-                setup=dict(device=str(dev), batch=B, keys=keys, layers=layers,
+                setup=dict(device=str(dev), launched=launch, batch=B, keys=keys, layers=layers,
                            anchors=list(plan.anchors), steps=steps, dtype="bf16"))
 
 
@@ -169,15 +178,16 @@ def environment(device: str) -> str:
 
 def table(r: dict, env: str) -> str:
     s = r["setup"]
-    lines = [f"host time per layer, kernels stubbed; {env}",
+    how = "kernels launched" if s.get("launched") else "kernels stubbed"
+    lines = [f"host time per layer, {how}; {env}",
              f"static-cache decode step, B={s['batch']}, {s['keys']} slots, {s['layers']} layers, anchors "
              f"{s['anchors']}, bf16, Triton backend; median of {s['steps']} steps", "",
              "| layer | host us | kernel launches |", "|---|---|---|"]
     for kind, t in r["us"].items():
         n = r["launches"].get(kind)
-        lines.append(f"| {kind} | {t:.1f} | {'-' if n is None else n} |")
+        lines.append(f"| {kind} | {t:.1f} | {'-' if n is None or s.get('launched') else n} |")
     lines += ["", f"whole step's attention: Kascade {r['step_us']['kascade']:.0f} us, dense "
-              f"{r['step_us']['dense']:.0f} us (kernels stubbed in both)"]
+              f"{r['step_us']['dense']:.0f} us ({how} in both)"]
     return "\n".join(lines)
 
 
@@ -191,8 +201,10 @@ def main(argv=None) -> dict:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         torch.set_num_threads(1)
+    if args.launch and not device.startswith("cuda"):
+        raise SystemExit("--launch needs a CUDA device")
     r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
-                anchors=args.anchors, batch=args.batch)
+                anchors=args.anchors, batch=args.batch, launch=args.launch)
     env = environment(device)
     print(table(r, env))
     if args.json:
