@@ -76,6 +76,7 @@ class KascadeHandle:
             return
         for m in self._modules:
             m.__dict__.pop("_kascade_runtime", None)
+            m.__dict__.pop("_kascade_layers", None)
         _set_implementation(self.model, self._previous_impl)
         self.model.__dict__.pop("_kascade_handle", None)
         self.active = False
@@ -198,6 +199,7 @@ def attach(model, runtime) -> KascadeHandle:
         raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
     for m in modules:
         m._kascade_runtime = runtime
+        m._kascade_layers = len(modules)  # the last layer of a pass completes its mask's check (functions.py)
     handle = KascadeHandle(model, runtime, previous, modules)
     model._kascade_handle = handle
     return handle
