@@ -113,8 +113,8 @@ def _generate_table(results: dict) -> list[str]:
     modes = list(s.get("generate") or ())
     if not modes:
         return []
-    lines = ["", "Through transformers' generate (per-token stamps, CUDA events on a GPU: TTFT from generate's start to "
-             "its first token, ITL the mean step after warm-up steps):", "",
+    lines = ["", "Through transformers' generate (per-token stamps, CUDA events on a GPU: TTFT from generate's start "
+             "to its first token, ITL the mean step after warm-up steps):", "",
              "| model | B | L | decode mode | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms "
              "| speedup | first token agreement |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
@@ -156,7 +156,8 @@ def plot(results: dict, path: Path) -> Path | None:
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(unit)
             decode = results["settings"].get("decode") or "eager"
-            ax.set_title(f"{m}: TTFT" if key == "ttft_s" else f"{m}: ITL ({'graph' if decode == 'graph' else 'eager loop'})")
+            itl = f"{m}: ITL ({'graph' if decode == 'graph' else 'eager loop'})"
+            ax.set_title(f"{m}: TTFT" if key == "ttft_s" else itl)
             ax.grid(True, which="both", alpha=0.3)
             if ax.has_data():
                 ax.legend(fontsize=8)

@@ -13,7 +13,10 @@ A call with ``L == 1`` is a decode step; ``L > 1`` is (chunked) prefill in tiles
 
 Plan / run: :func:`plan_step` checks the geometry once and builds what every layer of a forward step needs (a
 :class:`Step`); the ops then take ``step=`` instead of ``kv_start`` / ``q_offset`` / ``budget`` / ``backend`` and
-check only what costs nothing (shapes). Called without ``step`` an op plans its own.
+check only what costs nothing (shapes). Called without ``step`` an op plans its own. Each op then runs one of the
+torch custom ops of :mod:`kascade.ops.library` (tensors and numbers in, tensors out), so that ``torch.compile`` traces
+a forward step through them; a decode step planned from device tensors runs their decode forms, which read nothing
+back to the host.
 
 Backends: ``"reference"`` (pure PyTorch, any device: the specification) and ``"triton"`` (CUDA tensors, fp16 /
 bf16 / fp32, ``D`` in {16, 32, 64, 128, 256}, ``G <= 16``; decode and prefill kernels in :mod:`kascade.ops.triton`).
