@@ -242,7 +242,9 @@ def _heads(q, k, block_table):
 
 # Launch plans of the split-K kernel, by shape and pass: a decode step launches the same few configurations in every
 # layer, and working one out (launch configuration, splits, constexprs) costs more host time than the launch itself.
+# (A dynamic cache's steps each have another length: the memo is emptied when it grows large.)
 _PLANS: dict = {}
+_MAX_PLANS = 4096
 
 
 def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
@@ -265,6 +267,8 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
         if num_stages is not None:
             consts["num_stages"] = num_stages
         merge = dict(HQ=H * G, D=D, S_PAD=next_power_of_2(S), RNE=rne)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
         plan = _PLANS[key] = (S, per, consts, merge)
     return plan
 
