@@ -461,3 +461,78 @@ def test_a_shipped_plan_named_for_a_model_without_it_is_refused_before_loading(t
     rc = main(["bench", *FAST, "--plan", "faithful", "--out", str(tmp_path / "o")])
     assert rc == 2 and "no shipped 'faithful' plan for this model" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_decode_through_generate_eager_and_compiled(tmp_path):
+    """--decode-modes eager,compiled: dense and Kascade each timed through generate in both modes in the same run
+    (compiled: a static cache and torch.compile, aot_eager on the CPU), in a table naming each row's mode."""
+    rc = main(["bench", *FAST, "--lengths", "64", "--batches", "1", "--decode-modes", "eager,compiled",
+               "--compile-backend", "aot_eager", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench.json").read_text())
+    assert r["settings"]["generate"] == ["eager", "compiled"] and r["settings"]["decode"] == "eager"
+    (c,) = r["configs"]
+    assert c["status"] == "ok" and c["generate_wall_s"] > 0
+    for mode in ("eager", "compiled"):
+        g = c["generate"][mode]
+        for who in ("dense", "kascade"):
+            assert g[who]["ttft_s"] > 0 and g[who]["itl_s"] > 0 and len(g[who]["first_token"]) == 1
+        assert g["itl_speedup"] == pytest.approx(g["dense"]["itl_s"] / g["kascade"]["itl_s"])
+        assert g["kascade"]["backend"] == "reference"
+    md = (tmp_path / "bench.md").read_text()
+    assert md.count("| tiny | 1 | 64 |") == 3  # the main row, then one per generate mode
+    assert "| tiny | 1 | 64 | eager generate |" in md and "| tiny | 1 | 64 | compiled generate |" in md
+    assert 'cache_implementation="static"' in md and "ITL: eager Python loop" in md
+
+
+def test_step_clock_stamps_every_generated_token():
+    model = _tiny()
+    ids = timing.prompt(1, 20, 256, 0, "cpu")
+    clock = timing.StepClock(torch.device("cpu"))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, stopping_criteria=[clock],
+                             pad_token_id=0)
+    assert out.shape[1] == 25 and len(clock.stamps) >= 5  # (and one more when transformers defers its stop check)
+    assert 0 < clock.seconds(0, 4) and clock.seconds(1, 4) < clock.seconds(0, 4)
+
+
+def test_decode_modes_map_onto_the_settings(capsys):
+    assert runner.decode_modes(["eager", "compiled", "graph"], None) == ("graph", ("eager", "compiled"))
+    assert runner.decode_modes(["compiled"], None) == ("eager", ("compiled",))
+    assert runner.decode_modes(None, "graph") == ("graph", ())
+    with pytest.raises(ValueError, match="not both"):
+        runner.decode_modes(["eager"], "graph")
+    with pytest.raises(ValueError, match="distinct ones"):
+        bench.Settings(generate=("eager", "eager"))
+    with pytest.raises(ValueError, match="distinct ones"):
+        bench.Settings(generate=("graph",))
+    with pytest.raises(ValueError, match="whole prompt at once"):
+        bench.Settings(generate=("compiled",), prefill_chunk=1024)
+    with pytest.raises(SystemExit):
+        main(["bench", "--decode-modes", "lazy"])
+    assert "unknown decode mode" in capsys.readouterr().err
+
+
+def test_memory_estimate_counts_eager_generates_cache_growth():
+    """Graph decoding alone keeps a static cache; eager generate (a DynamicCache) grows by torch.cat as well."""
+    cfg = transformers.LlamaConfig(**models.LLAMA8B, max_position_embeddings=131072)
+    plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), 5)
+    kw = dict(weights=0, batch=1, length=1000)
+    graph = memory.estimate_bytes(cfg, plan, settings=bench.Settings(device="cuda"), **kw)
+    both = memory.estimate_bytes(cfg, plan, settings=bench.Settings(device="cuda", generate=("eager", "compiled")),
+                                 **kw)
+    assert graph["cache_growth"] == 0 and both["cache_growth"] > 0 and both["kv_cache"] == graph["kv_cache"]
+
+
+def test_configs_pick_batch_and_length_pairs(tmp_path, capsys):
+    """--configs 2x64 1x96: exactly those configurations (not every batch x length), by batch then length."""
+    rc = main(["bench", *FAST, "--configs", "2x64", "1x96", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench.json").read_text())
+    assert [(c["batch"], c["length"]) for c in r["configs"]] == [(1, 96), (2, 64)]
+    assert all(c["status"] == "ok" for c in r["configs"])
+    s = bench.Settings(pairs=[(1, 300), (4, 100)])
+    assert s.lengths == (100, 300) and s.batches == (1, 4) and s.configurations() == [(1, 300), (4, 100)]
+    with pytest.raises(SystemExit):
+        main(["bench", "--configs", "1x"])
+    assert "BATCHxLENGTH" in capsys.readouterr().err

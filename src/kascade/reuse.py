@@ -17,8 +17,6 @@ runs on (reference or Triton), so the rules cost nothing beyond building it:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .ops.selection import Selection, sort_padded
@@ -59,20 +57,36 @@ class Heads:
 ALL_HEADS = Heads()
 
 
-@functools.lru_cache(maxsize=4096)
 def _head_map(plan: KascadePlan, layer: int, device: torch.device, heads_key) -> torch.Tensor | None:
     heads = ALL_HEADS if heads_key is None else Heads(*heads_key)
     anchor = plan.anchor_of(layer)
     row = [heads.stored(plan.head_map[layer][h], layer, anchor) for h in heads.own(plan.fingerprint.num_kv_heads)]
     if row == list(range(len(row))) and not heads.gathered:
         return None
-    return torch.tensor(row, dtype=torch.long).to(device)
+    return torch.tensor(row, dtype=torch.long, device=device)  # made on the device: no host constant in a graph
+
+
+# The head maps made so far, per plan (by identity: hashing a plan hashes every field, a per-layer cost) and then
+# per (layer, device, head layout). The entry holds its plan, so an id is never reused while it is there.
+_HEAD_MAPS: dict[int, tuple[KascadePlan, dict]] = {}
 
 
 def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
     """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer, device and
     head layout; an identity map returns ``sel`` itself)."""
-    hm = _head_map(plan, layer, sel.indices.device, heads.key())
+    key = (layer, sel.indices.device, heads.key())
+    if torch.compiler.is_compiling():  # a constant of the graph
+        hm = _head_map(plan, *key)
+    else:
+        entry = _HEAD_MAPS.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            if len(_HEAD_MAPS) >= 256:
+                _HEAD_MAPS.clear()
+            entry = _HEAD_MAPS[id(plan)] = (plan, {})
+        memo = entry[1]
+        if key not in memo:
+            memo[key] = _head_map(plan, *key)
+        hm = memo[key]
     return sel if hm is None else sel.take_heads(hm)
 
 

@@ -140,6 +140,76 @@ def test_static_cache_decode_step_refuses_a_mask_that_is_not_left_padding():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_decode_steps_device_check_of_the_mask_is_the_host_check():
+    """A decode step checks its mask on the device (:func:`_left_padded`: nothing read back until its flag is
+    needed): for every mask of 6 slots and every query slot (past the mask's end too: the rest is valid), the flag
+    says what the host check says."""
+    import itertools
+
+    from kascade.integration.functions import _left_padded, _left_padding_start
+
+    rows = torch.tensor(list(itertools.product([0, 1], repeat=6)), dtype=torch.bool)
+    for q in range(9):
+        for row in rows:
+            try:
+                _left_padding_start(row[None], q + 1)
+                ok = True
+            except ValueError:
+                ok = False
+            assert bool(_left_padded(row[None], torch.tensor(q))) == ok, (row.tolist(), q)
+    both = rows[[7, 40]]  # 000111 and 101000: one bad row refuses the batch
+    assert bool(_left_padded(both[:1], torch.tensor(5))) and not bool(_left_padded(both, torch.tensor(5)))
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_a_gpu_decode_steps_mask_check_is_read_after_its_last_layer(cache, monkeypatch, op_calls):
+    """On a GPU a decode step's padding check runs on the device and is read once the step's last layer is launched
+    (the host does not wait for the device before the layers): made to behave so on the CPU, a hole in the mask is
+    still refused in the same call, after every layer ran, and a left-padded mask decodes as at once."""
+    from transformers import DynamicCache, StaticCache
+
+    from kascade.integration import functions
+
+    model = tiny_model("llama")
+    ids, nxt = _ids(40), _ids(1, seed=5)
+    hole = torch.ones(1, 41, dtype=torch.long)
+    hole[0, 10:20] = 0
+    left = torch.ones(1, 41, dtype=torch.long)
+    left[0, :3] = 0
+
+    def step(mask):
+        c = StaticCache(config=model.config, max_cache_len=64) if cache == "static" else DynamicCache()
+        model(ids, attention_mask=mask[:, :40].cummax(1).values, past_key_values=c)
+        return model(nxt, attention_mask=mask, past_key_values=c).logits
+
+    with torch.no_grad(), kascade.enable(model, _plan(model)):
+        want = step(left)
+        monkeypatch.setattr(functions, "DEFERRED_CHECK", ("cuda", "cpu"))
+        op_calls.clear()
+        with pytest.raises(ValueError, match="left padding"):
+            step(hole)
+        # the prefill's ops, then the refused step's: layer 0, a reuse layer, anchor 2 (select, sparse), a reuse layer
+        names = ["dense_select", "sparse_attention", "select", "sparse_attention", "sparse_attention"]
+        assert [n for n, *_ in op_calls] == names * 2
+        assert torch.equal(step(left), want)
+
+
+def test_eager_decode_steps_are_planned_on_the_device(forward_states):
+    """generate's decode steps over a dynamic cache (a left-padded batch) are planned on the device like a static
+    cache's, so the host reads nothing back before their layers run; they generate what a static cache does."""
+    model = tiny_model("llama")
+    ids = _ids(70, B=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad(), kascade.enable(model, _plan(model)):
+        dyn = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        steps = [fs.step for fs in forward_states]
+        sta = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             cache_implementation="static")
+    assert [s.on_device for s in steps] == [False, True, True, True]
+    assert torch.equal(dyn, sta)
+
+
 def test_length_aware_plan_follows_the_batchs_longest_sequence():
     """The documented rule (docs/ARCHITECTURE.md, Semantics): a forward runs one sub-plan, chosen by its longest
     sequence, so a short sequence batched with a long one runs the long one's sub-plan; alone, its own."""

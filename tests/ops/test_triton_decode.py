@@ -283,3 +283,18 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
         ref = td.sparse_decode(q, k, v, dev(cut), scale=D**-0.5)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(got, td.sparse_decode(q, k, v, dev(idx), scale=D**-0.5)), "the counts changed nothing"
+
+
+def test_launch_plans_are_memoised_and_bounded(monkeypatch):
+    """The split-K launch plan of a shape is worked out once (every layer of a step reuses it), and the memo is
+    emptied when it grows large: a dynamic cache's steps each have another length."""
+    monkeypatch.setattr(td, "_PLANS", {})
+    monkeypatch.setattr(td, "_MAX_PLANS", 3)
+    args = ("sparse", 1, 8, 4, 128)
+    rest = (DEVICE, torch.bfloat16, False, False, (None,) * 5)
+    first = td._plan(*args, 1000, *rest)
+    assert td._plan(*args, 1000, *rest) is first and len(td._PLANS) == 1
+    for n in range(1001, 1010):
+        td._plan(*args, n, *rest)
+        assert len(td._PLANS) <= 3
+    assert td._plan(*args, 1000, *rest) == first  # worked out again, the same

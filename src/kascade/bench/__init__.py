@@ -21,6 +21,13 @@ ITL = mean time of ``decode_steps`` greedy steps after the last timed prefill an
 ones (graph mode: the eager steps before the capture, then the capture itself).
 Peak memory = ``torch.cuda.max_memory_allocated`` per mode (weights included), reset before each mode.
 
+Through ``generate`` (``Settings.generate``, the CLI's ``--decode-modes eager,compiled``): dense and Kascade again,
+as users run them: ``model.generate`` eagerly (its DynamicCache) and compiled (``cache_implementation="static"`` and
+transformers' compile config: torch.compile, fullgraph, a CUDA graph per step on GPUs), from per-token stamps
+(CUDA events, :class:`~.timing.StepClock`): TTFT from generate's start to its first token, ITL the mean step after
+warm-up steps; every configuration compiles afresh. The report puts them in a table of their own, each row naming its
+mode.
+
 Before a configuration runs, its peak memory is bounded from above for each mode (weights, KV cache and its growth,
 activations, dense's masks, Kascade's selections and scratch) and the configuration is skipped with the reason when
 it cannot fit; so is one predicted to overrun the time budget. Out-of-memory errors are caught per configuration and
@@ -37,10 +44,11 @@ from .models import LLAMA8B, MODELS, TINY, load, plan_for, random_llama
 from .report import environment, plot, table, write
 from .runner import main_args, run
 from .settings import Settings
-from .timing import decode, measure_config, measure_mode, measure_mode_graph, prefill, prompt
+from .timing import (StepClock, decode, measure_config, measure_generate, measure_mode, measure_mode_graph, prefill,
+                     prompt)
 
 __all__ = [
-    "LLAMA8B", "MODELS", "TINY", "Settings", "available_bytes", "decode", "environment", "estimate_bytes", "load",
-    "main_args", "measure_config", "measure_mode", "measure_mode_graph", "plan_for", "plot", "predict_seconds",
-    "prefill", "prompt", "random_llama", "run", "table", "write",
+    "LLAMA8B", "MODELS", "TINY", "Settings", "StepClock", "available_bytes", "decode", "environment", "estimate_bytes",
+    "load", "main_args", "measure_config", "measure_generate", "measure_mode", "measure_mode_graph", "plan_for", "plot",
+    "predict_seconds", "prefill", "prompt", "random_llama", "run", "table", "write",
 ]

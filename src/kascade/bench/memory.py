@@ -38,11 +38,14 @@ def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, lengt
         cuda = torch.device(settings.device).type == "cuda"
         backend = "reference" if settings.backend == "reference" or not cuda else "triton"
     # the prompt and every decode step; GraphDecoder's static cache has two slots more
-    slots = L + settings.warmup_decode_steps + settings.decode_steps + (2 if graph else 0)
+    # (generate: at least 2 warm-up steps, and one step more than asked for, its deferred stop check's)
+    warm = max(settings.warmup_decode_steps, 2) if settings.generate else settings.warmup_decode_steps
+    slots = L + warm + settings.decode_steps + (2 if graph or settings.generate else 0)
     layer_kv = B * slots * 2 * H * D * nbytes
     kv = fp.num_layers * layer_kv
-    # a DynamicCache grows by torch.cat: for a moment a layer's longer K and V sit next to the previous ones
-    growth = 0 if graph else layer_kv
+    # a DynamicCache (eager decoding, eager generate) grows by torch.cat: for a moment a layer's longer K and V sit
+    # next to the previous ones
+    growth = 0 if graph and "eager" not in settings.generate else layer_kv
     chunk = min(settings.prefill_chunk or L, L)
     hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     q_dim, kv_dim = HQ * D, H * D
@@ -139,8 +142,10 @@ def predict_seconds(done: list[dict], batch: int, length: int, settings: Setting
     grow = max(r, (1 - a) * r + a * r * r)  # a shorter prefill shrinks at most linearly
     t_prefill = sum(prefills[m] * p[m]["ttft_s"] for m in modes)
     t_decode = sum(steps * p[m]["itl_s"] for m in modes)
-    fixed = max(0.0, p["wall_s"] - t_prefill - t_decode)
-    return fixed + rb * (t_prefill * grow + t_decode * max(r, 1.0))  # a shorter decode step: not predicted cheaper
+    t_generate = p.get("generate_wall_s", 0.0)  # its prefills, compilations and steps: scaled as a prefill is
+    fixed = max(0.0, p["wall_s"] - t_prefill - t_decode - t_generate)
+    return fixed + rb * ((t_prefill + t_generate) * grow + t_decode * max(r, 1.0))  # a shorter decode step: not
+    # predicted cheaper
 
 
 def skip_reason(need: float, avail: float | None, predicted: float | None, left: float | None,

@@ -55,10 +55,13 @@ def table(results: dict) -> str:
     """The results as Markdown: a header line (device, versions, settings), one row per configuration, notes."""
     env = results["environment"]
     s = results["settings"]
+    decode = s.get("decode") or "eager"
     lines = [
         (f"device {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
-         f"backend {s['backend']}; decode {s.get('decode') or 'eager'}; repeats {s['repeats']} (median, after one "
+         f"backend {s['backend']}; decode {decode}; repeats {s['repeats']} (median, after one "
          f"warm-up), {s['decode_steps']} decode steps; prefill chunk {s['prefill_chunk'] or 'none'}"),
+        "",
+        f"TTFT: the prompt through model(...) (logits_to_keep=1); ITL: {MAIN_MODES[decode]}",
         "",
         ("| model | B | L | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms | speedup "
          "| attn share prefill / decode | peak GB dense | peak GB kascade | ratio | wall s |"),
@@ -75,6 +78,7 @@ def table(results: dict) -> str:
             f"{1e3 * k['itl_s']:.2f} | {r['itl_speedup']:.2f}x | {_share(r['attn_share_prefill'])} / "
             f"{_share(r['attn_share_decode'])} | {_f(d['peak_gb'], '.1f')} | {_f(k['peak_gb'], '.1f')} | "
             f"{_f(r['peak_ratio'], '.2f')} | {r['wall_s']:.1f} |")
+    lines += _generate_table(results)
     lines.append("")
     lines += [f"- {m}: {info['description']}; plan: {info['plan']}" + (f". {info['note']}" if info.get("note") else "")
               for m, info in results["models"].items()]
@@ -91,6 +95,49 @@ def table(results: dict) -> str:
         lines.append(f"- prefill in chunks of {s['prefill_chunk']} tokens: for the chunks after the first, dense runs "
                      "transformers' SDPA with an explicit [B, 1, chunk, N] mask (not the causal flash path).")
     return "\n".join(lines)
+
+
+# What each decode mode is, as the report names it.
+MAIN_MODES = {
+    "graph": "graph mode: GraphDecoder, greedy steps over a static cache, each one CUDA-graph replay",
+    "eager": "eager Python loop: model(...) per greedy step over a DynamicCache",
+}
+GENERATE_MODES = {
+    "eager": "eager generate: model.generate(...), its DynamicCache",
+    "compiled": "compiled generate: model.generate(..., cache_implementation=\"static\", compile_config=...), "
+                "torch.compile fullgraph ({backend}{cuda_graphs})",
+}
+
+
+def generate_mode_name(mode: str, settings: dict, device: str) -> str:
+    cuda = not device.startswith("CPU")
+    return GENERATE_MODES[mode].format(backend=settings.get("compile_backend", "inductor"),
+                                       cuda_graphs=", mode reduce-overhead: a CUDA graph per step" if cuda else "")
+
+
+def _generate_table(results: dict) -> list[str]:
+    """The measurements through ``generate``, one row per configuration and decode mode (named in the row and in a
+    note), or nothing when the run took none."""
+    s = results["settings"]
+    modes = list(s.get("generate") or ())
+    if not modes:
+        return []
+    lines = ["", "Through transformers' generate (per-token stamps, CUDA events on a GPU: TTFT from generate's start "
+             "to its first token, ITL the mean step after warm-up steps):", "",
+             "| model | B | L | decode mode | TTFT dense s | TTFT kascade s | speedup | ITL dense ms | ITL kascade ms "
+             "| speedup | first token agreement |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["configs"]:
+        if r.get("status") != "ok":
+            continue
+        for mode in modes:
+            g = r["generate"][mode]
+            d, k = g["dense"], g["kascade"]
+            lines.append(f"| {r['model']} | {r['batch']} | {r['length']} | {mode} generate | {d['ttft_s']:.3f} | "
+                         f"{k['ttft_s']:.3f} | {g['ttft_speedup']:.2f}x | {1e3 * d['itl_s']:.2f} | "
+                         f"{1e3 * k['itl_s']:.2f} | {g['itl_speedup']:.2f}x | {g['first_token_agreement']:.2f} |")
+    dev = results["environment"]["device"]
+    lines += [""] + [f"- {generate_mode_name(m, s, dev)}" for m in modes]
+    return lines
 
 
 def plot(results: dict, path: Path) -> Path | None:
@@ -117,7 +164,9 @@ def plot(results: dict, path: Path) -> Path | None:
             ax.set_yscale("log")
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(unit)
-            ax.set_title(f"{m}: {unit.split()[0]}")
+            decode = results["settings"].get("decode") or "eager"
+            itl = f"{m}: ITL ({'graph' if decode == 'graph' else 'eager loop'})"
+            ax.set_title(f"{m}: TTFT" if key == "ttft_s" else itl)
             ax.grid(True, which="both", alpha=0.3)
             if ax.has_data():
                 ax.legend(fontsize=8)
@@ -147,6 +196,10 @@ def config_line(rec: dict) -> str:
     if rec["status"] != "ok":
         return f"{head} ({rec['reason']})"
     d, k = rec["dense"], rec["kascade"]
-    return (f"{head}; TTFT {d['ttft_s']:.3f} / {k['ttft_s']:.3f} s, ITL {1e3 * d['itl_s']:.2f} / "
+    line = (f"{head}; TTFT {d['ttft_s']:.3f} / {k['ttft_s']:.3f} s, ITL {1e3 * d['itl_s']:.2f} / "
             f"{1e3 * k['itl_s']:.2f} ms (dense / kascade)")
+    for mode, g in rec.get("generate", {}).items():
+        line += (f"; {mode} generate: TTFT {g['dense']['ttft_s']:.3f} / {g['kascade']['ttft_s']:.3f} s, ITL "
+                 f"{1e3 * g['dense']['itl_s']:.2f} / {1e3 * g['kascade']['itl_s']:.2f} ms")
+    return line
 

@@ -57,18 +57,17 @@ def _measure(models, settings: Settings, out, model_path, plan, argv) -> dict:
     clock = _Clock()
     results = dict(environment=environment(settings.device), settings=asdict(settings),
                    command=" ".join(argv) if argv else None, models={}, configs=[])
-    configs = [(m, b, n) for m in models for b in sorted(settings.batches) for n in sorted(settings.lengths)]
+    configs = [(m, b, n) for m in models for b, n in settings.configurations()]
     bar = tqdm(total=len(configs), desc="bench", unit="config")
     for name in models:
         left = clock.left(settings)
         if left is not None and left <= 0:  # not even worth loading the model
-            for batch in sorted(settings.batches):
-                for length in sorted(settings.lengths):
-                    rec = dict(model=name, batch=batch, length=length, status="skipped",
-                               reason="--time-budget spent before this model was loaded")
-                    bar.write(config_line(rec))
-                    results["configs"].append(rec)
-                    bar.update(1)
+            for batch, length in settings.configurations():
+                rec = dict(model=name, batch=batch, length=length, status="skipped",
+                           reason="--time-budget spent before this model was loaded")
+                bar.write(config_line(rec))
+                results["configs"].append(rec)
+                bar.update(1)
             write(results, out, with_plot=False)
             continue
         bar.set_postfix_str(f"loading {name}")
@@ -89,40 +88,39 @@ def _measure(models, settings: Settings, out, model_path, plan, argv) -> dict:
         results["models"][name] = info
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         done: list[dict] = []
-        for batch in sorted(settings.batches):
-            for length in sorted(settings.lengths):
-                bar.set_postfix_str(f"{name} B={batch} L={length}")
-                rec = dict(model=name, batch=batch, length=length)
-                est = estimate_bytes(model.config, mplan, weights=weights, batch=batch, length=length,
-                                     settings=settings, backend=backend)
-                rec["estimate_gb"] = {k: v / GB for k, v in est.items()}
-                rec["predicted_s"] = predict_seconds(done, batch, length, settings)
-                reason = skip_reason(est["total"], available_bytes(model, settings), rec["predicted_s"],
-                                     clock.left(settings), settings)
-                if reason:
-                    rec.update(status="skipped", reason=reason)
-                else:
-                    t0 = time.perf_counter()
-                    partial: dict = {}
-                    try:
-                        rec.update(measure_config(model, mplan, batch=batch, length=length, settings=settings,
-                                                  partial=partial))
-                        rec["status"] = "ok"
-                        done.append(rec)
-                    except torch.OutOfMemoryError as e:
-                        rec.update(status="oom", reason=f"out of memory after modes {list(partial) or 'none'}: "
-                                   + str(e).splitlines()[0][:160],
-                                   partial={m: {k: v for k, v in r.items() if k != "last_logits"}
-                                            for m, r in partial.items()})
-                    del partial
-                    rec["wall_s"] = time.perf_counter() - t0
-                    _free(settings.device)
-                bar.write(config_line(rec))
-                results["configs"].append(rec)
-                results["elapsed_s"] = clock.elapsed()
-                # the plot takes a second or two: redrawn only after configurations that took much longer
-                write(results, out, with_plot=rec.get("wall_s", 0.0) > 10.0)
-                bar.update(1)
+        for batch, length in settings.configurations():
+            bar.set_postfix_str(f"{name} B={batch} L={length}")
+            rec = dict(model=name, batch=batch, length=length)
+            est = estimate_bytes(model.config, mplan, weights=weights, batch=batch, length=length,
+                                 settings=settings, backend=backend)
+            rec["estimate_gb"] = {k: v / GB for k, v in est.items()}
+            rec["predicted_s"] = predict_seconds(done, batch, length, settings)
+            reason = skip_reason(est["total"], available_bytes(model, settings), rec["predicted_s"],
+                                 clock.left(settings), settings)
+            if reason:
+                rec.update(status="skipped", reason=reason)
+            else:
+                t0 = time.perf_counter()
+                partial: dict = {}
+                try:
+                    rec.update(measure_config(model, mplan, batch=batch, length=length, settings=settings,
+                                              partial=partial))
+                    rec["status"] = "ok"
+                    done.append(rec)
+                except torch.OutOfMemoryError as e:
+                    rec.update(status="oom", reason=f"out of memory after modes {list(partial) or 'none'}: "
+                               + str(e).splitlines()[0][:160],
+                               partial={m: {k: v for k, v in r.items() if k != "last_logits"}
+                                        for m, r in partial.items()})
+                del partial
+                rec["wall_s"] = time.perf_counter() - t0
+                _free(settings.device)
+            bar.write(config_line(rec))
+            results["configs"].append(rec)
+            results["elapsed_s"] = clock.elapsed()
+            # the plot takes a second or two: redrawn only after configurations that took much longer
+            write(results, out, with_plot=rec.get("wall_s", 0.0) > 10.0)
+            bar.update(1)
         del model
         _free(settings.device)
     bar.close()
@@ -131,11 +129,22 @@ def _measure(models, settings: Settings, out, model_path, plan, argv) -> dict:
     return results
 
 
+def decode_modes(modes, decode: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """``(decode, generate)`` of :class:`Settings` from --decode-modes (``graph``: GraphDecoder's replays time the
+    main columns; ``eager`` / ``compiled``: also through ``generate``) and --decode."""
+    if not modes:
+        return decode, ()
+    if decode is not None:
+        raise ValueError("give --decode-modes or --decode, not both")
+    return ("graph" if "graph" in modes else "eager"), tuple(m for m in modes if m != "graph")
+
+
 def main_args(args) -> int:
     """The `kascade bench` subcommand (called by :mod:`kascade.cli`)."""
-    settings = Settings(lengths=args.lengths, batches=args.batches, repeats=args.repeats,
+    args.decode, args.generate = decode_modes(args.decode_modes, args.decode)
+    settings = Settings(lengths=args.lengths, batches=args.batches, pairs=args.configs, repeats=args.repeats,
                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, backend=args.backend,
-                        decode=args.decode,
+                        decode=args.decode, generate=args.generate, compile_backend=args.compile_backend,
                         seed=args.seed, device=args.device, memory_limit_gb=args.memory_limit,
                         time_budget_s=args.time_budget or None)
     r = run(args.models, settings, args.out, model_path=args.model, plan=args.plan, argv=sys.argv)

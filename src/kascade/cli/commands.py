@@ -271,9 +271,22 @@ def run_bench(args) -> int:
     return bench.main_args(args)
 
 
+def batch_by_length(value: str) -> tuple[int, int]:
+    """An argparse type: ``BxL``, a batch size and a prompt length (positive integers)."""
+    try:
+        b, n = (int(x) for x in value.lower().split("x"))
+    except ValueError:
+        b = n = 0
+    if b < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"a configuration is BATCHxLENGTH of positive integers (e.g. 1x32768), "
+                                         f"got {value!r}")
+    return b, n
+
+
 def add_bench(sub) -> None:
     from ..plan import SHIPPED_VARIANTS
     from ..bench import MODELS, Settings
+    from ..bench.settings import DECODE_MODES
 
     dflt = Settings()
     b = sub.add_parser(
@@ -288,6 +301,11 @@ random prompt (seeded token ids):
   ITL    inter-token latency: mean time per greedy decode step over --decode-steps steps after the prefill and
          untimed warm-up steps. --decode graph (default on CUDA): a static cache and one CUDA-graph replay per
          step, how serving engines decode; --decode eager: a DynamicCache and a Python-driven forward per step
+  through generate (--decode-modes eager,compiled): TTFT and ITL of transformers' model.generate, what users
+         call, for dense and Kascade: eager (its DynamicCache) and compiled (cache_implementation="static" and its
+         compile config: torch.compile, fullgraph, mode="reduce-overhead": a CUDA graph per step), from
+         per-token stamps (CUDA events): TTFT from generate's start to its first token, ITL the mean step after
+         warm-up steps; in a table of their own, each row naming its mode
   peak   torch.cuda.max_memory_allocated (weights included), reset before each mode
   attention share   1 - t(no-op attention) / t(dense), prefill and decode: the same forward with a temporary
          attention implementation that returns zeros (the model's own implementation is restored afterwards)
@@ -314,6 +332,9 @@ bench.png (TTFT and ITL against context length) into --out after every configura
                    help=f"prompt lengths in tokens (default: {' '.join(map(str, dflt.lengths))})")
     b.add_argument("--batches", type=positive("batch size"), nargs="+", default=list(dflt.batches),
                    help=f"batch sizes (default: {' '.join(map(str, dflt.batches))})")
+    b.add_argument("--configs", type=batch_by_length, nargs="+", default=None, metavar="BxL",
+                   help="(batch, length) configurations to run instead of every --batches x --lengths, e.g. "
+                   "1x32768 1x131072 2x32768")
     b.add_argument("--repeats", type=positive(), default=dflt.repeats,
                    help=f"timed prefills per mode after one warm-up; TTFT is their median (default: {dflt.repeats})")
     b.add_argument("--decode-steps", type=positive(), default=dflt.decode_steps,
@@ -321,6 +342,13 @@ bench.png (TTFT and ITL against context length) into --out after every configura
     b.add_argument("--decode", choices=("graph", "eager"), default=None,
                    help="how decode steps run: graph (static cache + CUDA graph replay; the default on CUDA) or eager "
                    "(DynamicCache, one Python-driven forward per step; the default elsewhere)")
+    b.add_argument("--decode-modes", type=csv_of("decode mode", DECODE_MODES), default=None,
+                   help="comma-separated, or 'all': eager (generate, eagerly), compiled (generate with a static cache "
+                   "and torch.compile), graph (GraphDecoder's CUDA-graph replays, for the main columns; without it "
+                   "they come from the eager Python loop); e.g. eager,compiled,graph. Instead of --decode")
+    b.add_argument("--compile-backend", default=dflt.compile_backend, metavar="NAME",
+                   help=f"torch.compile backend of the compiled mode (default: {dflt.compile_backend}; aot_eager "
+                   "traces without generating code)")
     b.add_argument("--prefill-chunk", type=integer(0), default=0,
                    help="feed the prompt this many tokens at a time through the cache (bounds activation memory for "
                    "big batches; dense then runs transformers' masked SDPA for the later chunks); 0: whole prompt "

@@ -9,6 +9,8 @@ layer of the pass, and no other pass, sees it.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..attention import Forward
@@ -23,39 +25,101 @@ class KeyMask(Forward):
     ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
     ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
     Saying ndim 4 is that signal: the mask function receives it back and hands on its geometry.
+
+    ``check``: a decode step's padding check still running on the device (:class:`_MaskCheck`), or None.
     """
 
     ndim = 4
+    check = None
+
+
+# Devices on which a decode step's padding check is read back late (its last layer, see _MaskCheck) instead of
+# before the first: reading it at once would make the host wait for the device at the start of every step.
+DEFERRED_CHECK = ("cuda",)
+_pending = threading.local()  # the last deferred check not read yet (this thread's)
+
+
+class _MaskCheck:
+    """A decode step's left-padding check, computed on the device when the step's mask is made; its one flag is read
+    after the step's last layer was launched (by the attention function), or, where that layer ran inside a compiled
+    graph, when the next step's mask is made. A refused step raises then, having written its token's keys and values
+    into the cache slot the next step would overwrite. Where the device is the host (a CPU) the check is immediate."""
+
+    def __init__(self, valid: torch.Tensor, q: torch.Tensor):
+        self.valid, self.q = valid, q
+        flag = _left_padded(valid, q)
+        self.event = None
+        if valid.is_cuda:
+            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = flag
+
+    def verify(self) -> None:
+        if getattr(_pending, "check", None) is self:
+            _pending.check = None
+        if self.event is not None:
+            self.event.synchronize()
+        if not bool(self.flag):
+            _left_padding_start(self.valid, int(self.q) + 1)  # raises, naming the problem
+            raise ValueError("Kascade needs left padding (padding only before each sequence's tokens)")
+
+
+def _verify_pending() -> None:
+    check = getattr(_pending, "check", None)
+    if check is not None:
+        check.verify()
 
 
 def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs) -> KeyMask:
+                 attention_mask=None, device=None, **kwargs) -> KeyMask:
     """Mask function registered in transformers' ``AttentionMaskInterface`` under ``"kascade"``. It runs once per
     forward, before any layer: everything the padding mask can get wrong is refused here, before the KV cache
-    changes."""
+    changes (a decode step on a GPU: after its last layer, :class:`_MaskCheck`)."""
     from transformers.masking_utils import causal_mask_function
 
+    compiling = torch.compiler.is_compiling()
     if isinstance(attention_mask, KeyMask):  # made before the forward (generate with a static cache): a fresh state
-        return KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset, refused=attention_mask.refused)
+        mask = KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset,
+                       refused=attention_mask.refused)
+        if not compiling:  # (in a compiled forward the check is read when the next step's mask is made)
+            mask.check = attention_mask.check
+        return mask
     if mask_function is not causal_mask_function:
         # Some models build every mask kind they know (e.g. sliding-window next to full) whether or not a layer
         # uses it: refuse only if a layer does.
         return KeyMask(kv_start=None, q_offset=0, refused=(
             "Kascade supports plain causal attention only; this model asked for another mask pattern "
             f"({getattr(mask_function, '__name__', mask_function)!r}: sliding window, packed sequences or a custom mask)"))
-    if isinstance(q_offset, torch.Tensor) and q_length == 1:
-        # Static cache, decode step: kv_start stays on the device. The cache advances this very tensor in place
+    where = attention_mask.device if attention_mask is not None else \
+        q_offset.device if isinstance(q_offset, torch.Tensor) else device
+    if q_length == 1 and where is not None:
+        # A decode step, planned on the device: kv_start and the query's slot stay there, and nothing is read back
+        # to the host before the layers run (the step can be captured in a CUDA graph, traced by torch.compile, and
+        # the host need not wait for the previous step). A static cache advances its position tensor in place
         # during the forward, hence the copy. The mask is checked as in every other pass (a hole in it would be
-        # ignored, not refused), except while a CUDA graph is being captured: a check must read the mask back, and
-        # the graph's masks are the decoder's own (GraphDecoder), left padding by construction.
-        q_dev = q_offset.reshape(()).clone() - int(kv_offset)
+        # ignored, not refused), except while a CUDA graph is captured or torch.compile traces: the masks of those
+        # steps come from a decoder that extends a checked prompt's mask (GraphDecoder; generate, which builds a
+        # static cache's mask eagerly before its compiled forward, so that the check runs there).
+        if not compiling:
+            _verify_pending()
+        if isinstance(q_offset, torch.Tensor):
+            q_dev = q_offset.reshape(()).clone() - int(kv_offset)
+        else:
+            q_dev = torch.full((), int(q_offset) - int(kv_offset), dtype=torch.long, device=where)
         if attention_mask is None:
             return KeyMask(kv_start=None, q_offset=q_dev)
         _check_2d(attention_mask)
         valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-        if not (valid.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _left_padding_start(valid, int(q_dev) + 1)
-        return KeyMask(kv_start=valid.to(torch.int32).argmax(1), q_offset=q_dev)
+        mask = KeyMask(kv_start=valid.to(torch.int32).argmax(1), q_offset=q_dev)
+        if not (compiling or (valid.is_cuda and torch.cuda.is_current_stream_capturing())):
+            if valid.device.type in DEFERRED_CHECK:
+                mask.check = _pending.check = _MaskCheck(valid, q_dev)
+            else:
+                _left_padding_start(valid, int(q_dev) + 1)
+        return mask
     q_slot = int(q_offset) - int(kv_offset)
     if attention_mask is None:
         return KeyMask(kv_start=torch.zeros(batch_size, dtype=torch.long), q_offset=q_slot)
@@ -68,6 +132,17 @@ def _check_2d(attention_mask: torch.Tensor) -> None:
     if attention_mask.dim() != 2:
         raise ValueError(f"Kascade takes a 2-D padding mask (attention_mask=[B, N] of 0/1), got shape "
                          f"{tuple(attention_mask.shape)}")
+
+
+def _left_padded(valid: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Whether every row of ``valid [B, W]`` (bool) is padding then tokens up to slot ``q`` (a 0-d tensor; later
+    slots are anything, slots past the mask's end count as tokens) with a token at or before ``q``: a 0-d bool on
+    the device, made without reading anything back (what :func:`_left_padding_start` checks on the host)."""
+    W = valid.shape[1]
+    inside = torch.arange(1, W, device=valid.device) <= q  # slot j + 1 holds a key
+    drop = (valid[:, :-1] & ~valid[:, 1:] & inside).any()  # a token, then padding
+    last = valid.index_select(1, q.clamp(max=W - 1).reshape(1))[:, 0] | (q >= W)  # so a token at q: one at all
+    return ~drop & last.all()
 
 
 def _left_padding_start(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -112,6 +187,10 @@ def kascade_attention_forward(module, query, key, value, attention_mask, scaling
     layer = module.layer_idx
     state = attention_mask.state_for(runtime, layer, query, key)
     out = runtime.attend(layer, query, key, value, state, scaling)
+    check = attention_mask.check
+    if check is not None and layer == getattr(module, "_kascade_layers", 0) - 1:
+        attention_mask.check = None  # the step's last layer is launched: the host may wait for its check now
+        check.verify()
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         out = _NoBackward.apply(out, query, key, value)
     return out.transpose(1, 2).contiguous(), None

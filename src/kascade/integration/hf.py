@@ -88,6 +88,7 @@ class KascadeHandle:
             raise ValueError(f"{type(model).__name__} refused the attention implementation {ATTN_NAME!r}")
         for m in modules:
             m._kascade_runtime = self.runtime
+            m._kascade_layers = len(modules)  # the last layer of a pass completes its mask's check (functions.py)
         self._previous_impl, self._modules = previous, modules
         model._kascade_handle = self
         self.active = True
@@ -97,6 +98,7 @@ class KascadeHandle:
             return
         for m in self._modules:
             m.__dict__.pop("_kascade_runtime", None)
+            m.__dict__.pop("_kascade_layers", None)
         _set_implementation(self.model, self._previous_impl)
         self.model.__dict__.pop("_kascade_handle", None)
         self.active = False

@@ -13,7 +13,10 @@ A call with ``L == 1`` is a decode step; ``L > 1`` is (chunked) prefill in tiles
 
 Plan / run: :func:`plan_step` checks the geometry once and builds what every layer of a forward step needs (a
 :class:`Step`); the ops then take ``step=`` instead of ``kv_start`` / ``q_offset`` / ``budget`` / ``backend`` and
-check only what costs nothing (shapes). Called without ``step`` an op plans its own.
+check only what costs nothing (shapes). Called without ``step`` an op plans its own. Each op then runs one of the
+torch custom ops of :mod:`kascade.ops.library` (tensors and numbers in, tensors out), so that ``torch.compile`` traces
+a forward step through them; a decode step planned from device tensors runs their decode forms, which read nothing
+back to the host.
 
 Backends: ``"reference"`` (pure PyTorch, any device: the specification) and ``"triton"`` (CUDA tensors, fp16 /
 bf16 / fp32, ``D`` in {16, 32, 64, 128, 256}, ``G <= 16``; decode and prefill kernels in :mod:`kascade.ops.triton`).
@@ -23,13 +26,14 @@ Triton kernels also run on CPU tensors (slowly: for tests).
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
 import torch
 
 from ..budget import Budget
-from . import reference
+from . import library, reference
 from .geometry import check_dtypes, check_scale, check_shapes
 from .selection import Selection
 from .step import Step, decode_meta, decode_meta_static
@@ -61,12 +65,6 @@ def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> 
     return None
 
 
-def _kernels(step: Step):
-    from .triton import decode, prefill
-
-    return decode if step.decode else prefill
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Planning: every check that needs values, once per step
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,9 +87,10 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
     """Check the geometry of one forward step and build its :class:`Step` (shared by every layer's ops).
 
     ``q [B, HQ, L, D]`` and ``k [B, H, N, D]`` give the shapes (any layer's). ``kv_start`` ([B], default zeros)
-    and ``q_offset`` (default ``N - L``): see the module docstring. A decode step (``L == 1``) on the Triton backend
-    may give them as tensors on the device (``q_offset`` 0-d, ``kv_start`` [B] or None): the step is then planned
-    with device ops only and can be captured in a CUDA graph; elsewhere device values are read back once.
+    and ``q_offset`` (default ``N - L``): see the module docstring. A decode step (``L == 1``) may give them as
+    tensors on the device (``q_offset`` 0-d, ``kv_start`` [B] or None; a static KV cache): the step is then planned
+    with device ops only, on either backend, and its ops read nothing back to the host (it can be captured in a CUDA
+    graph or traced by ``torch.compile``); in prefill device values are read back once.
     """
     _check_tensors(q, k, None)
     if backend not in BACKENDS:
@@ -114,11 +113,11 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
     if isinstance(q_offset, torch.Tensor):
         if q_offset.numel() != 1:
             raise ValueError(f"q_offset must be one slot for the whole batch, got shape {tuple(q_offset.shape)}")
-        if backend == "triton" and L == 1:  # static-cache decode: plan on the device, read nothing back
+        if L == 1:  # static-cache decode: plan on the device, read nothing back
             starts = None if kv_start is None else torch.as_tensor(kv_start).to(q.device)
             if starts is not None and starts.shape != (B,):
                 raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
-            meta = decode_meta_static(B, starts, q_offset.reshape(()), N, budget)
+            meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), N, budget)
             return Step(kv_start=None, q_offset=None, meta=meta, **shape)
         q_offset = int(q_offset)
     if q_offset is None:
@@ -150,25 +149,28 @@ def _step(step, q, k, v, **given) -> Step:
         return plan_step(q, k, **{n: x for n, x in given.items() if x is not None})
     if not isinstance(step, Step):
         raise TypeError(f"step must be a kascade.ops.Step (from plan_step), got {type(step).__name__}")
-    extra = [n for n, x in given.items() if x is not None]
-    if extra:
+    if any(x is not None for x in given.values()):
+        extra = [n for n, x in given.items() if x is not None]
         raise ValueError(f"{', '.join(extra)} come from the step: do not pass them with step=")
-    B, HQ, L, D = q.shape
-    _, H, N, _ = k.shape
-    want = (step.batch, step.q_heads, step.queries, step.head_dim, step.kv_heads, step.keys)
-    if (B, HQ, L, D, H, N) != want or (v is not None and v.shape != k.shape):
+    if q.shape != step.q_shape or k.shape != step.k_shape or (v is not None and v.shape != step.k_shape):
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the step's shapes "
                          f"(q [{step.batch}, {step.q_heads}, {step.queries}, {step.head_dim}], "
                          f"k [{step.batch}, {step.kv_heads}, {step.keys}, {step.head_dim}])")
-    if q.device != step.device or q.dtype != step.dtype:
+    dt = q.dtype
+    if q.device != step.device or dt != step.dtype:
         raise ValueError(f"q is {q.dtype} on {q.device}, the step was planned for {step.dtype} on {step.device}")
-    check_dtypes(q, k, v)
+    if k.dtype != dt or (v is not None and v.dtype != dt):
+        check_dtypes(q, k, v)
     return step
 
 
 def _scale(scale, q) -> float:
     """The softmax scale: ``D ** -0.5`` by default; a given one must be a finite real number."""
-    return q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if type(scale) is float and math.isfinite(scale):  # what a model passes, checked without the general case
+        return scale
+    return check_scale(scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,11 +180,9 @@ def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backen
     """Exact causal GQA attention. Returns ``[B, HQ, L, D]``; queries at padding slots get zeros."""
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend)
     scale = _scale(scale, q)
-    if step.backend == "triton":
-        if step.decode:
-            return _kernels(step).dense_decode(q, k, v, scale=scale, meta=step.meta)
-        return _kernels(step).dense_prefill(q, k, v, scale=scale, step=step)
-    return reference.dense_attention(q, k, v, scale=scale, kv_start=step.kv_start, q_offset=step.q_offset)
+    if step.meta is not None:
+        return library.call("dense_decode", q, k, v, step.meta.tensor, step.meta.n_max, scale, step.backend)
+    return library.call("dense_attention", q, k, v, step.kv_start, step.q_offset, scale, step.backend)
 
 
 def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, shared: bool = False,
@@ -200,15 +200,20 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     scale = _scale(scale, q)
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not depth > 0):
         raise ValueError(f"depth must be a positive number, got {depth!r}")
-    if step.backend == "triton":
-        if shared:
-            raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
-        if step.decode:
-            return _kernels(step).select_decode(q, k, budget=step.budget, scale=scale, meta=step.meta, depth=depth,
-                                                index_dtype=step.index_dtype)
-        return _kernels(step).select_prefill(q, k, scale=scale, step=step, depth=depth)
-    return reference.select(q, k, budget=step.budget, scale=scale, kv_start=step.kv_start, q_offset=step.q_offset,
-                            shared=shared, depth=depth)
+    depth = None if depth is None else float(depth)
+    if shared and step.backend == "triton":
+        raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
+    b = step.budget
+    if step.meta is not None and not shared:
+        idx = library.call("select_decode", q, k, step.meta.tensor, step.meta.n_max, scale, b.ratio, b.k_min, depth,
+                           step.index_dtype, step.backend)
+        return Selection(idx, step.zeros(), b.tile, True, depth is not None)
+    if step.on_device:  # the shared baseline of a step planned on the device: its geometry read back once
+        step = step.on_host()
+    idx, row_start = library.call("select", q, k, step.kv_start, step.q_offset, scale, b.ratio, b.k_min, b.tile,
+                                  b.rolling, depth, shared, step.rows, step.counts(depth or 1.0)[1],
+                                  step.index_dtype, step.backend)
+    return Selection(idx, row_start, b.tile, step.decode, depth is not None)
 
 
 def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, backend=None,
@@ -217,13 +222,18 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
     has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``."""
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
-    if step.backend == "triton":
-        if step.decode:
-            return _kernels(step).dense_select_decode(q, k, v, budget=step.budget, scale=scale, meta=step.meta,
-                                                      depth=depth, index_dtype=step.index_dtype)
-        return _kernels(step).dense_select_prefill(q, k, v, scale=scale, step=step, depth=depth)
-    return (dense_attention(q, k, v, scale=scale, step=step),
-            select(q, k, scale=scale, step=step, depth=depth))
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not depth > 0):
+        raise ValueError(f"depth must be a positive number, got {depth!r}")
+    depth = None if depth is None else float(depth)
+    b = step.budget
+    if step.meta is not None:
+        out, idx = library.call("dense_select_decode", q, k, v, step.meta.tensor, step.meta.n_max, scale, b.ratio,
+                                b.k_min, depth, step.index_dtype, step.backend)
+        return out, Selection(idx, step.zeros(), b.tile, True, depth is not None)
+    out, idx, row_start = library.call("dense_select", q, k, v, step.kv_start, step.q_offset, scale, b.ratio,
+                                       b.k_min, b.tile, b.rolling, depth, step.rows, step.counts(depth or 1.0)[1],
+                                       step.index_dtype, step.backend)
+    return out, Selection(idx, row_start, b.tile, step.decode, depth is not None)
 
 
 def _check_selection(sel: Selection, step: Step) -> None:
@@ -253,6 +263,8 @@ def _check_selection_values(sel: Selection, step: Step) -> None:
     """What only the values can tell (not on the hot path: one read-back per call): rows are this call's tiles,
     every key is a valid key its row may see (before the tile in prefill), no key twice, -1 only at the end. The
     checks run where the indices are; only their three flags (and, for an error, its first offender) come back."""
+    if step.on_device:
+        step = step.on_host()
     idx = sel.as_set().indices
     dev = idx.device
     if not step.decode:
@@ -298,12 +310,10 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
     if not checked:
         _check_selection_values(selection, step)
     scale = _scale(scale, q)
-    if step.backend == "triton":
-        if step.decode:
-            return _kernels(step).sparse_decode(q, k, v, selection.indices, scale=scale, counts=selection.counts)
-        return _kernels(step).sparse_prefill(q, k, v, selection, scale=scale, step=step, counts=selection.counts)
-    return reference.sparse_attention(q, k, v, selection, scale=scale, kv_start=step.kv_start,
-                                      q_offset=step.q_offset)
+    if step.meta is not None:
+        return library.call("sparse_decode", q, k, v, selection.indices, selection.counts, scale, step.backend)
+    return library.call("sparse_attention", q, k, v, selection.indices, selection.row_start, selection.counts,
+                        selection.ranked, selection.tile, step.kv_start, step.q_offset, scale, step.backend)
 
 
 def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: int, num_kv_heads: int) -> tuple[int, int]:

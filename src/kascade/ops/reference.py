@@ -296,3 +296,78 @@ def sparse_attention(q, k, v, selection: Selection, *, scale: float, kv_start: t
                 qb, kb, vb, idx, int(selection.row_start[b]), scale, selection.tile
             )
     return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode with the geometry on the device
+# ----------------------------------------------------------------------------------------------------------------
+# A static-cache decode step knows each sequence's keys only on the device (``meta [B, 4]`` int32: first valid
+# slot, valid keys ``n_b``, budget ``k_b``, 0; :class:`kascade.ops.step.DecodeMeta`). These forms compute what the
+# per-sequence functions above compute, over every key slot of the cache with the invalid ones masked: fixed
+# shapes, no value read back to the host, so a compiled or graph-captured step can run them.
+def _decode_scores(q, k, meta, scale):
+    """``(p [B, H, G, N], valid [B, N])``: softmax of each decode query over its sequence's valid slots (zero
+    elsewhere), in the math dtype."""
+    B, HQ, _, D = q.shape
+    H, N = k.shape[1], k.shape[2]
+    md = _math_dtype(q.dtype)
+    s = torch.einsum("bhgd,bhnd->bhgn", q.to(md).view(B, H, HQ // H, D), k.to(md)) * scale
+    start = meta[:, 0].long()[:, None]
+    slot = torch.arange(N, device=q.device)[None, :]
+    valid = (slot >= start) & (slot < start + meta[:, 1].long()[:, None])
+    return s.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1), valid
+
+
+def _decode_out(p, v, q, valid):
+    """``p @ v`` with the values of invalid slots taken as zeros (whatever they hold: a weight of 0 times a NaN
+    would still be a NaN)."""
+    B, HQ, _, D = q.shape
+    v = v.to(p.dtype).masked_fill(~valid[:, None, :, None], 0.0)
+    return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, HQ, 1, D).to(q.dtype).contiguous()
+
+
+def _decode_top(p, valid, meta, budget: Budget, width: int, depth):
+    """The top keys of each (sequence, KV head) by pooled probability: ``[B, H, 1, width]`` int64 slots, ascending
+    (ranked: descending probability), -1 after each sequence's count."""
+    pooled = p.sum(2).masked_fill(~valid[:, None, :], float("-inf"))  # [B, H, N]
+    count = meta[:, 2].long() if depth is None else budget.decode_counts(meta[:, 1].long(), depth)
+    top = pooled.topk(width, dim=-1).indices
+    keep = (torch.arange(width, device=p.device)[None, :] < count[:, None])[:, None, :]
+    idx = torch.where(keep, top, -1) if depth is not None else sort_padded(top, keep)
+    return idx[:, :, None, :].contiguous()
+
+
+def dense_decode(q, k, v, *, scale: float, meta: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_attention` of a decode step whose geometry is ``meta``."""
+    p, valid = _decode_scores(q, k, meta, scale)
+    return _decode_out(p, v, q, valid)
+
+
+def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None) -> torch.Tensor:
+    """:func:`select` of a decode step whose geometry is ``meta``: indices ``[B, H, 1, width]`` (``width``: a host
+    bound of every sequence's count); the count is ``meta``'s budget, or at ``depth`` a ranked selection."""
+    p, valid = _decode_scores(q, k, meta, scale)
+    return _decode_top(p, valid, meta, budget, width, depth)
+
+
+def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None):
+    """:func:`dense_decode` and :func:`select_decode` from one softmax. ``-> (out, indices)``."""
+    p, valid = _decode_scores(q, k, meta, scale)
+    return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, depth)
+
+
+def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) -> torch.Tensor:
+    """Decode attention over absolute key slots ``indices [B, H, 1, K]`` (-1: none; with ``counts [B]`` only each
+    row's first ``counts[b]`` entries), in any order."""
+    B, HQ, _, D = q.shape
+    H = k.shape[1]
+    md = _math_dtype(q.dtype)
+    idx = indices[:, :, 0].long()  # [B, H, K]
+    ok = idx >= 0
+    if counts is not None:
+        ok = ok & (torch.arange(idx.shape[-1], device=q.device)[None, None, :] < counts.long()[:, None, None])
+    rows = idx.clamp_min(0)[..., None].expand(-1, -1, -1, D)
+    s = torch.einsum("bhgd,bhkd->bhgk", q.to(md).view(B, H, HQ // H, D), k.gather(2, rows).to(md)) * scale
+    p = s.masked_fill(~ok[:, :, None, :], float("-inf")).softmax(-1)
+    vv = v.gather(2, rows).to(md).masked_fill(~ok[..., None], 0.0)  # a padding entry's row: any slot's, unused
+    return torch.einsum("bhgk,bhkd->bhgd", p, vv).reshape(B, HQ, 1, D).to(q.dtype).contiguous()

@@ -106,7 +106,8 @@ class Step:
     kv_start: ``[B]`` int64 on the host: each sequence's first valid key slot; ``None`` in a step planned on the
               device (static-cache decode), whose geometry only ``meta`` holds.
     q_offset: key slot of the first query (``None`` with ``kv_start``).
-    meta:     Triton decode steps: :class:`DecodeMeta`.
+    meta:     decode steps on the Triton backend, and every decode step planned on the device: :class:`DecodeMeta`
+              (the ops then run the decode forms of :mod:`kascade.ops.library`).
     index_dtype: the dtype of the selections the step's ops make (int32 on the Triton backend: half the memory).
     """
 
@@ -125,6 +126,11 @@ class Step:
     meta: DecodeMeta | None = None
     index_dtype: torch.dtype = torch.long
     _memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        # the shapes every call of the step must have, compared whole on the hot path
+        self.q_shape = torch.Size((self.batch, self.q_heads, self.queries, self.head_dim))
+        self.k_shape = torch.Size((self.batch, self.kv_heads, self.keys, self.head_dim))
 
     @property
     def decode(self) -> bool:
@@ -159,6 +165,25 @@ class Step:
     def rows(self) -> int:
         """Rows of a selection made in this step: tiles of the longest run of tiles (1 in decode)."""
         return 1 if self.decode else int(self.tiles()[1].max())
+
+    def on_host(self) -> "Step":
+        """This step with its geometry read back to the host (one synchronisation: for what needs it, e.g. checking
+        a selection's values, never on the hot path)."""
+        if not self.on_device:
+            return self
+        t = self.meta.tensor.long().cpu()
+        q_offset = int(t[0, 0] + t[0, 1]) - 1
+        kv_start = t[:, 0].clone()
+        meta = decode_meta(self.batch, device=self.device, kv_start=kv_start, q_offset=q_offset, budget=self.budget) \
+            if self.backend == "triton" else None
+        return Step(self.backend, self.budget, self.batch, self.q_heads, self.kv_heads, self.queries, self.keys,
+                    self.head_dim, self.dtype, self.device, kv_start, q_offset, meta, self.index_dtype)
+
+    def zeros(self) -> torch.Tensor:
+        """``[B]`` int64 zeros on the step's device (a decode selection's ``row_start``), made once per step."""
+        if "zeros" not in self._memo:
+            self._memo["zeros"] = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        return self._memo["zeros"]
 
     def starts_on_device(self) -> torch.Tensor:
         """``kv_start`` as an int32 tensor on the step's device (copied once per step)."""

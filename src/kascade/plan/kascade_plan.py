@@ -260,7 +260,12 @@ class KascadePlan:
 
     def anchor_of(self, layer: int) -> int:
         """The nearest anchor at or below ``layer``."""
-        return max(a for a in self.anchors if a <= layer)
+        found = 0
+        for a in self.anchors:  # increasing, from 0 (a loop torch.compile can trace, unlike bisect)
+            if a > layer:
+                break
+            found = a
+        return found
 
     def with_budget(self, **changes) -> "KascadePlan":
         """A copy with other budget settings (ratio, k_min, tile, rolling)."""

@@ -11,9 +11,25 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the launchers: ``triton.cdiv`` is a constexpr function whose host call costs microseconds
+    (Triton 3.9: ~4 us on a CPU of 2 cores), and a decode layer's launch configuration takes several."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` as a plain function (0 for 0), for the same reason as :func:`cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+# Triton decides when it decorates a kernel (at this package's import) whether the interpreter runs it.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: CPU tensors, for tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were imported: CPU tensors,
+    for tests)."""
+    return _INTERPRETING
 
 
 _SM_COUNT: dict = {}

@@ -32,7 +32,7 @@ from ...budget import Budget
 from ..selection import Selection
 from ..step import decode_meta
 from . import topk
-from .common import LOG2E, dot, flags, interpreting, num_sms, to_out
+from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def _merge_kernel(Out, Acc, Mx, Ls, stride_ob, stride_oh, S, HQ: tl.constexpr, D
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 def _gp(G: int) -> int:
-    return max(16, triton.next_power_of_2(G))
+    return max(16, next_power_of_2(G))
 
 
 # Launch configuration of each pass of the split-K kernel: (BLOCK_N at D <= 128, num_warps, num_stages, programs
@@ -217,19 +217,20 @@ def _splits(rows: int, n: int, block_n: int, device, num_splits=None, per_sm=2, 
     programs per multiprocessor (rounded up, or down: never more)."""
     if num_splits is None:
         programs = per_sm * num_sms(device)
-        want = triton.cdiv(programs, rows) if round_up else programs // rows
-        num_splits = max(1, min(want, triton.cdiv(n, 2 * block_n)))
-    per = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
-    return triton.cdiv(n, per), per
+        want = cdiv(programs, rows) if round_up else programs // rows
+        num_splits = max(1, min(want, cdiv(n, 2 * block_n)))
+    per = cdiv(cdiv(n, num_splits), block_n) * block_n
+    return cdiv(n, per), per
 
 
 def _kv_args(k, v, block_table):
     """Strides (batch-or-page, head, slot) of K and V, and the page size (0 when contiguous)."""
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "the head dim must be contiguous"
+    ks, vs = k.stride(), v.stride()
+    assert ks[-1] == 1 and vs[-1] == 1, "the head dim must be contiguous"
     if block_table is None:
-        return (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)), 0
+        return ks[:3], vs[:3], 0
     assert block_table.dtype == torch.int32 and block_table.dim() == 2
-    return (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1)), k.shape[1]
+    return (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1]), k.shape[1]
 
 
 def _heads(q, k, block_table):
@@ -240,22 +241,49 @@ def _heads(q, k, block_table):
     return B, HQ, H, HQ // H, D
 
 
+# Launch plans of the split-K kernel, by shape and pass: a decode step launches the same few configurations in every
+# layer, and working one out (launch configuration, splits, constexprs) costs more host time than the launch itself.
+# (A dynamic cache's steps each have another length: the memo is emptied when it grows large.)
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
+    """``(S, per, BLOCK_N, launch keywords, direct)`` of one pass, memoised."""
+    key = (kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg)
+    plan = _PLANS.get(key)
+    if plan is None:
+        num_splits, block_n, num_warps, num_stages, programs_per_sm = cfg
+        bn, nw, ns = _default_config(D, kind)
+        bn = block_n or bn
+        nw = num_warps or nw
+        num_stages = None if interpreting() else (num_stages or ns)
+        per_sm, round_up = _per_sm(kind, B * H, device)
+        S, per = _splits(B * H, n_keys, bn, device, num_splits, programs_per_sm or per_sm, round_up)
+        f32, rne = flags(torch.empty(0, dtype=dtype))
+        sparse = kind == "sparse"
+        consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=kind != "score",
+                      WRITE_SCORES=kind in ("score", "dense_scores"), DIRECT=S == 1, F32=f32, NHIST=topk.NHIST,
+                      RNE=rne, HAS_CNT=counts, MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, num_warps=nw)
+        if num_stages is not None:
+            consts["num_stages"] = num_stages
+        merge = dict(HQ=H * G, D=D, S_PAD=next_power_of_2(S), RNE=rne)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = (S, per, consts, merge)
+    return plan
+
+
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
                counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
     """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
-    bn, nw, ns = _default_config(D, kind)
-    bn = block_n or bn
-    nw = num_warps or nw
-    num_stages = num_stages or ns
-    if interpreting():
-        num_stages = None
-    per_sm, round_up = _per_sm(kind, B * H, dev)
-    S, per = _splits(B * H, n_keys, bn, dev, num_splits, programs_per_sm or per_sm, round_up)
+    paged = block_table is not None
+    S, per, consts, merge = _plan(kind, B, H, G, D, n_keys, dev, q.dtype, paged, counts is not None,
+                                  (num_splits, block_n, num_warps, num_stages, programs_per_sm))
     direct = S == 1
-    f32, rne = flags(q)
     ks, vs, page = _kv_args(k, v if v is not None else k, block_table)
     Mx = torch.empty(B, HQ, S, dtype=torch.float32, device=dev)
     Ls = torch.empty_like(Mx)
@@ -264,29 +292,25 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev) if write_scores else Mx
     if has_v and out is None:
         out = torch.empty_like(q)
+    istr = idx.stride() if sparse else (0, 0)
     if sparse:
-        assert idx.dim() == 4 and idx.shape[2] == 1 and idx.stride(-1) == 1
+        assert idx.dim() == 4 and idx.shape[2] == 1 and istr[-1] == 1
     dummy = Mx
-    extra = {} if num_stages is None else {"num_stages": num_stages}
     if counts is not None:
         assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
+    qs = q.stride()
+    os_ = out.stride() if out is not None else (0, 0)
     _split_kernel[(S, H, B)](
         q, k, v if v is not None else k, idx if sparse else dummy, counts if counts is not None else dummy,
         meta.tensor if meta is not None else dummy,
-        block_table if block_table is not None else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
-        q.stride(0), q.stride(1), *ks, *vs,
-        idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
-        block_table.stride(0) if block_table is not None else 0,
-        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
-        n_keys, per, sc_row, scale * LOG2E,
-        H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGE=max(page, 1), PAGED=block_table is not None, SPARSE=sparse,
-        HAS_V=has_v, WRITE_SCORES=write_scores, DIRECT=direct, F32=f32, NHIST=topk.NHIST, RNE=rne,
-        HAS_CNT=counts is not None, MAXB=triton.next_power_of_2(triton.cdiv(per, bn)) if sparse else 1, num_warps=nw,
-        **extra,
+        block_table if paged else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
+        qs[0], qs[1], *ks, *vs,
+        istr[0], istr[1],
+        block_table.stride(0) if paged else 0, os_[0], os_[1],
+        n_keys, per, sc_row, scale * LOG2E, PAGE=max(page, 1), **consts,
     )
     if has_v and not direct:
-        _merge_kernel[(HQ, B)](out, Acc, Mx, Ls, out.stride(0), out.stride(1), S, HQ=HQ, D=D,
-                               S_PAD=triton.next_power_of_2(S), RNE=rne)
+        _merge_kernel[(HQ, B)](out, Acc, Mx, Ls, os_[0], os_[1], S, **merge)
     return out, Mx, Ls, Sc, Hist, S
 
 

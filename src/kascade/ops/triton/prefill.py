@@ -34,7 +34,7 @@ import triton.language as tl
 from ...budget import Budget
 from ..selection import Selection
 from . import topk
-from .common import LOG2E, dot, flags, num_sms, to_out
+from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -447,7 +447,7 @@ def _sparse_config(D: int) -> tuple[int, int, int, bool, int | None]:
 
 def _rows(G: int, M: int) -> tuple[int, int]:
     """(queries per block BQ, rows M): BQ*G <= M with M a power of two >= 16."""
-    M = max(M, 16, triton.next_power_of_2(G))
+    M = max(M, 16, next_power_of_2(G))
     return max(1, M // G), M
 
 
@@ -483,7 +483,7 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
     lse = torch.empty(B, HQ, L, dtype=torch.float32, device=dev) if write_lse else ks
     vv = v if has_v else k
     oo = out if has_v else q
-    _dense_kernel[(triton.cdiv(L, BQ), H, B)](
+    _dense_kernel[(cdiv(L, BQ), H, B)](
         q, k, vv, oo, lse, ks,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
@@ -496,8 +496,8 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
 
 def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
     """(rows per block M, blocks per tile): the tile's G*T rows in blocks of at most 128 (or M)."""
-    M = M or min(128, max(16, triton.next_power_of_2(G * T)))
-    return M, triton.cdiv(G * T, M)
+    M = M or min(128, max(16, next_power_of_2(G * T)))
+    return M, cdiv(G * T, M)
 
 
 def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
@@ -507,12 +507,12 @@ def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
     ``M`` given: blocks of M rows, the last one padded."""
     n = G * T
     if M:
-        return M, triton.cdiv(n, M), 0
+        return M, cdiv(n, M), 0
     if n <= 16:
         return 16, 1, 0
     M = min(128, 1 << (n.bit_length() - 1))  # the largest power of two <= n, at most 128
     NSUB, rem = divmod(n, M)
-    MR = max(16, triton.next_power_of_2(rem)) if rem else 0
+    MR = max(16, next_power_of_2(rem)) if rem else 0
     if MR == M:  # e.g. 224 = 128 + 96: a second block of M rows
         return M, NSUB + 1, 0
     return M, NSUB, MR
@@ -660,7 +660,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     def row_bytes(w, kc):  # a buffer row and its top-k temporaries
         if method == "radix":  # histograms, per-chunk counts, the bin-search state; without `direct` the int64
             # result (+ values and order when ranked) and the write-back (top >= 0, top + start, the where)
-            return (4 * w + 4 * topk.NHIST + 8 * triton.cdiv(w, topk.SELECT_CHUNK) + 32
+            return (4 * w + 4 * topk.NHIST + 8 * cdiv(w, topk.SELECT_CHUNK) + 32
                     + (0 if direct else (32 if depth else 8) * kc + 17 * kc))
         return 4 * w + 40 * kc  # torch.topk: values, indices, a sorted copy
 
@@ -699,9 +699,9 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
         if kc > 0:
             buf = torch.empty(B, H, C, W, dtype=torch.float32, device=dev)
             hist = torch.empty(B * H * C, topk.NHIST, dtype=torch.int32, device=dev) if direct else buf
-            per = W if dev.type != "cuda" else max(bn, triton.cdiv(W, max(1, triton.cdiv(4 * sms, B * H * C))))
-            per = triton.cdiv(per, bn) * bn
-            _score_kernel[(triton.cdiv(W, per), C, B * H)](
+            per = W if dev.type != "cuda" else max(bn, cdiv(W, max(1, cdiv(4 * sms, B * H * C))))
+            per = cdiv(per, bn) * bn
+            _score_kernel[(cdiv(W, per), C, B * H)](
                 q, k, lse, ks, rs, buf, hist,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 buf.stride(0), buf.stride(1), buf.stride(2),
@@ -754,7 +754,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     maxnreg = maxnreg or regs
     ahead = ahead if prefetch is None else prefetch
     out = torch.empty_like(q) if out is None else out
-    maxb = max(1, triton.next_power_of_2(triton.cdiv(max(KI, 1), bn)))
+    maxb = max(1, next_power_of_2(cdiv(max(KI, 1), bn)))
     if counts is not None:
         assert counts.dtype == torch.int32 and counts.shape == (B, R) and counts.stride(-1) == 1
     _sparse_kernel[(R * NRB, H, B)](
@@ -763,7 +763,7 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), counts.stride(0) if counts is not None else 0,
         L, q_offset, KI, scale * LOG2E,
-        G=G, T=T, TP=max(16, triton.next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
+        G=G, T=T, TP=max(16, next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
         HAS_CNT=counts is not None, PREFETCH=ahead, num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

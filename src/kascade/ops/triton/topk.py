@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv, next_power_of_2
+
 # Radix selection on the bit pattern of the (non-negative) fp32 values (pooled probabilities). The first
 # histogram counts the exponent and the top FIRST_BITS mantissa bits, relative to an upper bound of the k-th largest
 # value (a row's values sum to at most ``mass``, so its k-th largest is at most mass / k): FIRST_BINS - 2 bins of a
@@ -313,7 +315,7 @@ def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H,
         _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
                                  LEVEL=level)
     _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1),
-                             H=H, CH=ch, C_PAD=triton.next_power_of_2(C), PAGED=paged)
+                             H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged)
 
 
 def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -329,14 +331,14 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     dev = Sc.device
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
-    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
-    C = triton.cdiv(meta.n_max, ch)
+    ch = chunk or min(SELECT_CHUNK, next_power_of_2(meta.n_max))
+    C = cdiv(meta.n_max, ch)
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
     State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
     _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
-                            GP=triton.next_power_of_2(G), S_PAD=triton.next_power_of_2(S), CH=ch, NHIST=NHIST,
+                            GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST,
                             HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
@@ -375,8 +377,8 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
     assert hist.shape == (R, NHIST) and hist.dtype == torch.int32 and hist.is_contiguous()
     assert out.dim() == 3 and out.stride(-1) == 1 and out.shape[0] * out_rows >= R and out.shape[-1] >= kc
-    ch = chunk or min(SELECT_CHUNK, triton.next_power_of_2(W))
-    C = triton.cdiv(W, ch)
+    ch = chunk or min(SELECT_CHUNK, next_power_of_2(W))
+    C = cdiv(W, ch)
     bound = float(mass or 0.0)
     State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
     _hist_kernel[(C, R)](vals, meta, hist, State, W, bound, CH=ch, NHIST=NHIST)

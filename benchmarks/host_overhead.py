@@ -1,0 +1,217 @@
+"""Host time of an eager decode step's attention, per layer kind, with the Triton kernels stubbed: what Python, the
+checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
+
+    python benchmarks/host_overhead.py [--device cpu|cuda] [--steps 300] [--keys 4096] [--json FILE]
+
+A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
+it) at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128, 32 layers, 5 anchors: the uniform plan
+``kascade bench`` runs), B=1, bf16, Kascade's Triton backend, with every kernel launch replaced by a no-op that counts
+it (on a CPU Triton's interpreter switch lets the launchers take CPU tensors; the kernels never run). Per layer the
+time of transformers' call of the attention function (what ``LlamaAttention.forward`` calls), median over the steps,
+for layer 0 (dense + selection, and the step's plan), the other anchors and the reuse layers; once per step the mask
+function (its geometry). Not included: a launch's own host cost in Triton's launcher (a few microseconds each on a
+GPU host: count the launches), the rest of the layer (projections, RoPE, cache update, MLP), and the GPU.
+
+Dense, for comparison: transformers' SDPA attention function on the same static cache with its 4-D mask (the call
+``generate`` makes for dense decode), with ``scaled_dot_product_attention`` stubbed the same way (a no-op returning an
+output of its shape: its C++ dispatch and launch are left out, like Triton's launches).
+
+On a CPU, torch runs one thread here (on a busy machine the idle threads' spinning dominates microsecond ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from types import SimpleNamespace
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--steps", type=int, default=300, help="decode steps timed (after 20 untimed)")
+    p.add_argument("--keys", type=int, default=4096, help="static cache slots of the Kascade step")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--anchors", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--launch", action="store_true",
+                   help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
+                   "GPU's time is not, the host does not wait for it)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    return p.parse_args(argv)
+
+
+class _Stub:
+    """A kernel whose launches (``kernel[grid](...)``) do nothing but count."""
+
+    def __init__(self, name: str, counts: dict):
+        self.name, self.counts = name, counts
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        self.counts[self.name] = self.counts.get(self.name, 0) + 1
+
+
+def stub_kernels(counts: dict) -> list:
+    """Replace every ``@triton.jit`` function of the decode modules by a :class:`_Stub`; returns what to restore."""
+    from kascade.ops.triton import decode, topk
+
+    saved = []
+    for mod in (decode, topk):
+        for name, obj in list(vars(mod).items()):
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Stub(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", counts))
+    return saved
+
+
+def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int,
+            launch: bool = False) -> dict:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import causal_mask_function
+
+    import kascade
+    from kascade.bench.models import LLAMA8B
+    from kascade.integration.functions import kascade_attention_forward, kascade_mask
+    from kascade.plan import KascadePlan, ModelFingerprint
+
+    dev = torch.device(device)
+    cfg = LlamaConfig(**{**LLAMA8B, "num_hidden_layers": layers})
+    plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), anchors)
+    B, HQ, H, D = batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dt = torch.bfloat16
+    runtime = kascade.Attention(plan, backend="triton")
+    mods = [SimpleNamespace(_kascade_runtime=runtime, layer_idx=i, training=False, is_causal=True,
+                            num_key_value_groups=HQ // H) for i in range(layers)]
+    counts: dict = {}
+    saved = [] if launch else stub_kernels(counts)
+    try:
+        def qkv(n):
+            q = torch.randn(B, 1, HQ, D, dtype=dt, device=dev).transpose(1, 2)  # as the model's view hands it
+            return q, torch.randn(B, H, n, D, dtype=dt, device=dev), torch.randn(B, H, n, D, dtype=dt, device=dev)
+
+        q, k, v = qkv(keys)
+        slot = torch.tensor(keys // 2, device=dev)  # the static cache's length: a device tensor
+        mask2d = torch.ones(B, keys, dtype=torch.bool, device=dev)
+        kinds = {0: "layer 0"} | {a: "anchor" for a in plan.anchors if a} | \
+            {i: "reuse" for i in range(layers) if not plan.is_anchor(i)}
+        per: dict = {kind: [] for kind in ("mask function (per step)", "layer 0", "anchor", "reuse")}
+        launches: dict = {}
+        scale = D ** -0.5
+        with torch.no_grad():
+            for s in range(20 + steps):
+                t0 = time.perf_counter_ns()
+                m = kascade_mask(batch_size=B, q_length=1, kv_length=keys, q_offset=slot, kv_offset=0,
+                                 mask_function=causal_mask_function, attention_mask=mask2d)
+                t1 = time.perf_counter_ns()
+                if s >= 20:
+                    per["mask function (per step)"].append(t1 - t0)
+                for i, mod in enumerate(mods):
+                    before = dict(counts)
+                    t0 = time.perf_counter_ns()
+                    kascade_attention_forward(mod, q, k, v, m, scaling=scale, dropout=0.0)
+                    t1 = time.perf_counter_ns()
+                    if s >= 20:
+                        per[kinds[i]].append(t1 - t0)
+                    if s == 20:
+                        launches.setdefault(kinds[i], {k2: counts.get(k2, 0) - before.get(k2, 0) for k2 in counts})
+                if launch:  # keep the queue of launches short: its time is the GPU's, not the host's
+                    torch.cuda.synchronize()
+        dmask = torch.ones(B, 1, 1, keys, dtype=torch.bool, device=dev)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if not launch:
+            torch.nn.functional.scaled_dot_product_attention = \
+                lambda query, key, value, **kw: query.new_empty(query.shape[:-1] + value.shape[-1:])
+        dense = []
+        with torch.no_grad():
+            for s in range(20 + steps):
+                t0 = time.perf_counter_ns()
+                sdpa_attention_forward(mods[1], q, k, v, dmask, scaling=scale, dropout=0.0)
+                t1 = time.perf_counter_ns()
+                if s >= 20:
+                    dense.append(t1 - t0)
+                if launch and s % 32 == 31:
+                    torch.cuda.synchronize()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+        if "sdpa" in locals():
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+    us = {kind: statistics.median(ts) / 1e3 for kind, ts in per.items()}
+    us["dense (SDPA function)"] = statistics.median(dense) / 1e3
+    n_anchor, n_reuse = len(plan.anchors) - 1, layers - len(plan.anchors)
+    step_kascade = us["mask function (per step)"] + us["layer 0"] + n_anchor * us["anchor"] + n_reuse * us["reuse"]
+    return dict(us=us, launches={k2: sum(v2.values()) for k2, v2 in launches.items()}, launch_detail=launches,
+                step_us=dict(kascade=step_kascade, dense=layers * us["dense (SDPA function)"]),
+                setup=dict(device=str(dev), launched=launch, batch=B, keys=keys, layers=layers,
+                           anchors=list(plan.anchors), steps=steps, dtype="bf16"))
+
+
+def environment(device: str) -> str:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    if device.startswith("cuda"):
+        where = torch.cuda.get_device_name()
+    else:
+        from kascade.bench.report import cpu_name
+
+        where = f"CPU {cpu_name()}"
+    return (f"{where} ({platform.node()}); torch {torch.__version__}, triton {tv}, transformers "
+            f"{transformers.__version__}, python {platform.python_version()}")
+
+
+def table(r: dict, env: str) -> str:
+    s = r["setup"]
+    how = "kernels launched" if s.get("launched") else "kernels stubbed"
+    lines = [f"host time per layer, {how}; {env}",
+             f"static-cache decode step, B={s['batch']}, {s['keys']} slots, {s['layers']} layers, anchors "
+             f"{s['anchors']}, bf16, Triton backend; median of {s['steps']} steps", "",
+             "| layer | host us | kernel launches |", "|---|---|---|"]
+    for kind, t in r["us"].items():
+        n = r["launches"].get(kind)
+        lines.append(f"| {kind} | {t:.1f} | {'-' if n is None or s.get('launched') else n} |")
+    lines += ["", f"whole step's attention: Kascade {r['step_us']['kascade']:.0f} us, dense "
+              f"{r['step_us']['dense']:.0f} us ({how} in both)"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda"):
+        # the launchers take CPU tensors only in the interpreter's mode; set before triton is first imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        torch.set_num_threads(1)
+    if args.launch and not device.startswith("cuda"):
+        raise SystemExit("--launch needs a CUDA device")
+    r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
+                anchors=args.anchors, batch=args.batch, launch=args.launch)
+    env = environment(device)
+    print(table(r, env))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, **r), f, indent=1)
+    return r
+
+
+if __name__ == "__main__":
+    main()
