@@ -1,7 +1,7 @@
 """Host time of an eager decode step's attention, per layer kind, with the Triton kernels stubbed: what Python, the
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
-    python benchmarks/host_overhead.py [--device cpu|cuda] [--steps 300] [--keys 4096] [--json FILE]
+    python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
 it) at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128, 32 layers, 5 anchors: the uniform plan

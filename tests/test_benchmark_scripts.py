@@ -163,18 +163,14 @@ def test_gather_floor_kernel_reads_the_selected_rows(stream):
 
 
 def test_host_overhead_runs_and_times_every_layer_kind(capsys):
-    """benchmarks/host_overhead.py at a tiny size (untimed here: timing goals are not unit tests): every layer kind
+    """python -m benchmarks.host_overhead at a tiny size (untimed here: timing goals are not unit tests): every layer kind
     and the dense comparison get a time, the stubs count each kind's launches (layer 0 and the anchors select,
     so launch more than a reuse layer), and the kernels are put back."""
-    import importlib.util
-
+    from benchmarks import host_overhead
     from kascade.ops.triton import decode
 
     kernel = decode._split_kernel
-    spec = importlib.util.spec_from_file_location("host_overhead", BENCHMARKS / "host_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.main(["--steps", "3", "--keys", "300", "--layers", "6", "--anchors", "2", "--device", "cpu"])
+    r = host_overhead.main(["--steps", "3", "--keys", "300", "--layers", "6", "--anchors", "2", "--device", "cpu"])
     assert set(r["us"]) == {"mask function (per step)", "layer 0", "anchor", "reuse", "dense (SDPA function)"}
     assert all(t > 0 for t in r["us"].values())
     n = r["launches"]
