@@ -160,14 +160,14 @@ def test_the_output_folder_and_the_data_are_checked_before_the_model(tmp_path, t
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert f"--out {afile} is a file, not a folder" in _error([*TINY, "--out", str(afile)], capsys)
-    data = texts_file(tmp_path / "d.jsonl", 1)
-    err = _error([*TINY, "--data", str(data), "--out", str(tmp_path / "o")], capsys)
-    assert "holds 1 texts; 2 are needed (--samples plus --holdout)" in err
+    data = texts_file(tmp_path / "d.jsonl", 1, chars=150)  # one window of 96 tokens; --samples 2 need two
+    err = _error([*TINY, *ANCHORS, "--data", str(data), "--out", str(tmp_path / "o")], capsys)
+    assert "d.jsonl: the texts hold 1 window(s) of 96 tokens (a window lies within one text); --samples need 2" in err
     assert "no file at" in _error([*TINY, "--data", str(tmp_path / "none.jsonl")], capsys)
     assert "(it is a folder)" in _error([*TINY, "--data", str(tmp_path)], capsys)
     short = texts_file(tmp_path / "short.jsonl", 2, chars=10)
     err = _error([*TINY, *ANCHORS, "--data", str(short), "--out", str(tmp_path / "o")], capsys)
-    assert "short.jsonl: text 1 has 10 tokens; a window of 96 (--seq-len / --lengths) lies within one text" in err
+    assert "short.jsonl: the texts hold 0 window(s) of 96 tokens (a window lies within one text)" in err
     assert tiny.loads == []
 
 
@@ -307,5 +307,5 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path, tiny, capsys):
     data.write_text('{"text": "too short"}\n' * 8)
     out = tmp_path / "new" / "cal"
     err = one_line_error("calibrate", [*TINY, *ANCHORS, "--data", str(data), "--out", str(out)], capsys)
-    assert f"{data}: text 1 has " in err and "lies within one text" in err, err
+    assert f"{data}: the texts hold 0 window(s) of 96 tokens" in err and "lies within one text" in err, err
     assert not (tmp_path / "new").exists()
