@@ -30,6 +30,7 @@ of a reuse layer (benchmarks/host_overhead.py); while ``torch.compile`` traces, 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Optional
 
 import torch
@@ -61,18 +62,21 @@ def _triton(decode: bool):
 
 
 _LAST_META: list = [None]
+_direct = threading.local()  # .on: an eager call of an implementation (call()), not the registered op's
 
 
 def _meta(meta: torch.Tensor, keys: int, budget: Budget | None):
     """The launchers' :class:`~kascade.ops.step.DecodeMeta` of a device ``meta``: every sequence bounded by ``keys``.
-    The last one made is kept: every anchor of a decode step passes the same tensor (and its memo of ranked counts
-    then serves them all)."""
+    In an eager step the last one made is kept: every anchor of the step passes the same tensor (and its memo of
+    ranked counts then serves them all). Never for the registered op, which compiled code runs: a tensor it kept
+    would outlive its graph's step (torch.compile's CUDA graphs refuse memory of theirs that no output holds)."""
+    cache = getattr(_direct, "on", False)
     last = _LAST_META[0]
-    if last is not None and last[0] is meta and last[1] == keys and last[2] is budget:
+    if cache and last is not None and last[0] is meta and last[1] == keys and last[2] is budget:
         return last[3]
     B = meta.shape[0]
     dm = DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B, paged=False)
-    _LAST_META[0] = (meta, keys, budget, dm)
+    _LAST_META[0] = (meta, keys, budget, dm) if cache else None
     return dm
 
 
@@ -234,7 +238,11 @@ def call(name: str, *args):
     else its implementation directly (the same computation, without the dispatcher's host time)."""
     if torch.compiler.is_compiling():
         return OPS[name](*args)
-    return _IMPL[name](*args)
+    _direct.on = True
+    try:
+        return _IMPL[name](*args)
+    finally:
+        _direct.on = False
 
 
 __all__ = ["NAMESPACE", "OPS", "call", "decode_width"]
