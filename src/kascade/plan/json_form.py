@@ -4,13 +4,15 @@
 fields at the top level, the per-layer scale named ``layer_scale``) still load. Files are parsed strictly: an
 integer field holds an integer, a boolean field ``true`` or ``false``, unknown fields are refused, and an error names
 the field and the value it found.
+
+This module reads and writes the form only; :class:`~kascade.plan.KascadePlan` builds itself from :func:`fields`
+(``KascadePlan.from_dict``), so that the plan's module imports this one and not the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .kascade_plan import KascadePlan, ModelFingerprint
 from .reuse_rule import Reuse, _is_int, _is_number
 
 FORMAT = "kascade-plan/3"
@@ -69,7 +71,7 @@ class _Field:
         return v
 
 
-def _parse(d, where: str) -> KascadePlan:
+def _parse(d, where: str) -> dict:
     F = _Field
     if not isinstance(d, dict):
         raise ValueError(f"not a Kascade plan: {where} must be a JSON object, got {type(d).__name__} {d!r:.60}")
@@ -116,15 +118,16 @@ def _parse(d, where: str) -> KascadePlan:
         e = F.obj(f"{where}.by_length[{i}]", e, ("max_n", "plan"), required=("max_n", "plan"))
         by_length.append((F.int(f"{where}.by_length[{i}].max_n", e["max_n"]), _parse(e["plan"], f"{where}.by_length[{i}].plan")))
     try:
-        return KascadePlan(ModelFingerprint(**fp), tuple(anchors), tuple(map(tuple, head_map)), reuse=Reuse(**reuse),
-                           by_length=tuple(by_length), **kw)
+        reuse = Reuse(**reuse)
     except (TypeError, ValueError) as e:
         raise ValueError(f"malformed Kascade plan ({where}): {e}") from None
+    return dict(where=where, fingerprint=fp, anchors=tuple(anchors), head_map=tuple(map(tuple, head_map)),
+                reuse=reuse, by_length=tuple(by_length), **kw)
 
 
 
-def to_dict(plan: KascadePlan) -> dict:
-    """``plan`` as a JSON-ready dict in format ``kascade-plan/3`` (``reuse``, ``by_length`` and ``tensor_parallel``
+def to_dict(plan) -> dict:
+    """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/3`` (``reuse``, ``by_length`` and ``tensor_parallel``
     only when set)."""
     d = {"format": FORMAT, "fingerprint": dataclasses.asdict(plan.fingerprint), "anchors": list(plan.anchors),
          "head_map": [list(r) for r in plan.head_map], "ratio": plan.ratio, "k_min": plan.k_min,
@@ -138,6 +141,9 @@ def to_dict(plan: KascadePlan) -> dict:
     return d
 
 
-def from_dict(d) -> KascadePlan:
-    """A plan from its JSON form (any of :data:`FORMATS`); ValueError naming the field for anything else."""
+def fields(d) -> dict:
+    """The fields of a plan in its JSON form (any of :data:`FORMATS`), read strictly (ValueError naming the field for
+    anything else): ``where`` (the path of the plan in the file, for errors), ``fingerprint`` (a dict), ``anchors``,
+    ``head_map``, ``reuse`` (a :class:`Reuse`), ``by_length`` (``(max_n, fields)`` pairs) and the budget fields
+    given; :meth:`KascadePlan.from_dict` builds the plan of them."""
     return _parse(d, "plan")

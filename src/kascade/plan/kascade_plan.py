@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..budget import Budget
+from . import json_form
 from .reuse_rule import Reuse, _is_int
 
 
@@ -379,17 +380,23 @@ class KascadePlan:
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan.json_form`)."""
-        from .json_form import to_dict
-
-        return to_dict(self)
+        return json_form.to_dict(self)
 
     @classmethod
     def from_dict(cls, d) -> "KascadePlan":
         """A plan from its JSON form (any format :mod:`kascade.plan.json_form` reads), checked strictly; ValueError naming
         the field."""
-        from .json_form import from_dict
+        return cls._from_fields(json_form.fields(d))
 
-        return from_dict(d)
+    @classmethod
+    def _from_fields(cls, f: dict) -> "KascadePlan":
+        f = dict(f)
+        where, fp = f.pop("where"), f.pop("fingerprint")
+        by_length = tuple((m, cls._from_fields(sub)) for m, sub in f.pop("by_length"))
+        try:
+            return cls(ModelFingerprint(**fp), by_length=by_length, **f)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed Kascade plan ({where}): {e}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
