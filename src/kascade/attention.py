@@ -120,8 +120,7 @@ class Attention:
             kv_start = None if kv_start is None else kv_start.cpu()
         backend = self.backend
         if backend == "auto":
-            why = ops.triton_unavailable_reason(q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
-            backend = "triton" if why is None and q.device.type == "cuda" else "reference"
+            backend = ops.resolve_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
         step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
         plan = self.plan.for_length(step.longest) if self.plan.by_length else self.plan
         return ForwardState(step=step, plan=plan)

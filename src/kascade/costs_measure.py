@@ -241,12 +241,6 @@ def device_entry(device: torch.device, backend: str) -> tuple[str, str]:
     return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "gpu", what
 
 
-def resolve_backend(device: torch.device, backend: str, shape: Shape) -> str:
-    if backend != "auto":
-        return backend
-    why = ops.triton_unavailable_reason(device, torch.bfloat16, shape.head_dim,
-                                        shape.num_q_heads // shape.num_kv_heads)
-    return "triton" if device.type == "cuda" and why is None else "reference"
 
 
 def measure(out, shape: Shape, *, modes=costs.MODES, batches=None, lengths=DEFAULT_LENGTHS, ratio: float = 0.1,
@@ -260,11 +254,7 @@ def measure(out, shape: Shape, *, modes=costs.MODES, batches=None, lengths=DEFAU
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    backend = resolve_backend(device, backend, shape)
-    if backend not in ops.BACKENDS:
-        raise ValueError(f"backend must be auto or one of {', '.join(ops.BACKENDS)}, got {backend!r}")
-    if backend == "triton" and (why := ops.triton_unavailable_reason(device, None, shape.head_dim)):
-        raise ValueError(why)
+    backend = ops.resolve_backend(backend, device, torch.bfloat16, shape.head_dim, shape.num_q_heads // shape.num_kv_heads)
     key, what = device_entry(device, backend)
     day = datetime.date.today().isoformat()
     timing = ("triton.testing.do_bench median, eager calls" if device.type == "cuda"

@@ -132,3 +132,16 @@ def test_default_model_generate_with_left_padding(default_model):
         assert out[b, L:].tolist() == alone[b][-20:].tolist()
     after = model.generate(**enc, **gen)
     assert torch.equal(after, dense)
+
+
+def test_every_runtime_is_a_runtime_and_attach_refuses_what_is_not():
+    from kascade.calibrate.stats import StatsRecorder
+    from kascade.integration.hf import attach
+    from kascade.integration.runtime import DenseRuntime, NoAttention, Runtime
+
+    model = tiny_model("llama")
+    for rt in (kascade.Attention(_full_budget_plan(model)), DenseRuntime(), NoAttention(), StatsRecorder(4, 2, 8, 8)):
+        assert isinstance(rt, Runtime), type(rt).__name__
+    with pytest.raises(TypeError, match="runtime must have begin"):
+        attach(model, object())
+    assert model.config._attn_implementation == "sdpa"

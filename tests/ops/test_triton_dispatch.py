@@ -68,3 +68,23 @@ def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):
         kascade.enable(model, backend="triton")
     with kascade.enable(model, warn_uncalibrated=False) as h:  # auto: the reference on a CPU model
         assert h.runtime.backend == "reference"
+
+
+def test_one_backend_rule_for_every_caller(monkeypatch):
+    """ops.resolve_backend is the rule enable, the runtime and kascade costs apply: auto picks the kernels on a CUDA
+    device they serve only, triton where they cannot run is an error naming why, never a silent fallback."""
+    from kascade import ops
+
+    assert ops.resolve_backend("auto", "cpu", torch.float32, 64, 3) == "reference"
+    assert ops.resolve_backend("reference", "cpu") == "reference"
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        ops.resolve_backend("cuda", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        ops.resolve_backend("triton", "cpu", torch.float32, 64, 3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs the kernels on CPU tensors, when asked for
+    assert ops.resolve_backend("triton", "cpu", torch.float32, 64, 3) == "triton"
+    with pytest.raises(ValueError, match="head dims"):
+        ops.resolve_backend("triton", "cpu", torch.float32, 12, 3)
+    with pytest.raises(ValueError, match="GQA groups up to 16"):
+        ops.resolve_backend("triton", "cpu", torch.float32, 64, 17)

@@ -17,6 +17,7 @@ import torch
 from .. import ops
 from ..plan import KascadePlan, ModelFingerprint, resolve_plan
 from .functions import ATTN_NAME, register
+from .runtime import Runtime
 from ..attention import Attention
 from ..tensor_parallel import head_shard
 
@@ -143,21 +144,16 @@ def check_supported(model) -> None:
 
 
 def resolve_backend(model, backend: str = "auto") -> str:
-    """The backend ``enable`` will use: ``"auto"`` is "triton" when the model sits on a CUDA device in a dtype and
-    shape the kernels serve (and triton is installed), else "reference". ``"triton"`` where it cannot run raises
-    ValueError with the reason; it is never replaced silently."""
+    """The backend ``enable`` will use for ``model`` (its parameters' device and dtype, its heads): the rule of
+    :func:`kascade.ops.resolve_backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "reference":
-        return backend
     fp = ModelFingerprint.from_model(model)
     p = next(model.parameters())
-    why = ops.triton_unavailable_reason(p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads)
-    if backend == "triton":
-        if why:
-            raise ValueError(f"Kascade cannot use backend='triton' for this model: {why}")
-        return "triton"
-    return "triton" if why is None and p.device.type == "cuda" else "reference"
+    try:
+        return ops.resolve_backend(backend, p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads)
+    except ValueError as e:
+        raise ValueError(f"Kascade cannot use backend='triton' for this model: {e}") from None
 
 
 def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto", exchange: bool = False,
@@ -208,11 +204,12 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
                                    exchange=exchange))
 
 
-def attach(model, runtime) -> KascadeHandle:
-    """Route ``model``'s attention to ``runtime`` (the mechanism under :func:`enable`; calibration attaches its
-    statistics recorder the same way): per forward, ``state = runtime.begin(q, k, kv_start, q_offset)`` at layer 0,
-    then ``runtime.attend(layer, q, k, v, state, scale)`` for every layer, ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]``
-    -> ``[B, HQ, L, D]``."""
+def attach(model, runtime: Runtime) -> KascadeHandle:
+    """Route ``model``'s attention to ``runtime`` (a :class:`~kascade.integration.runtime.Runtime`: the mechanism
+    under :func:`enable`; calibration attaches its statistics recorder the same way)."""
+    if not isinstance(runtime, Runtime):
+        raise TypeError(f"runtime must have begin(q, k, kv_start, q_offset) and attend(layer, q, k, v, state, scale), "
+                        f"got {type(runtime).__name__}")
     handle = KascadeHandle(model, runtime)
     handle._route()
     return handle

@@ -1,12 +1,30 @@
-"""Runtimes to attach (:func:`kascade.integration.hf.attach`) besides Kascade's own (:class:`kascade.Attention`):
-the dense baseline timed under CUDA graphs, and no attention at all (the share of time attention takes)."""
+"""What :func:`kascade.integration.hf.attach` routes a model's attention to (:class:`Runtime`), and the runtimes
+besides Kascade's own (:class:`kascade.Attention`) and calibration's statistics recorder
+(:class:`kascade.calibrate.stats.StatsRecorder`): the dense baseline timed under CUDA graphs, and no attention at all
+(the share of time attention takes)."""
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .. import ops
 from ..attention import ForwardState
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A model's attention, one forward pass at a time: ``begin`` once per pass with layer 0's queries and keys and
+    the pass's key geometry (``kv_start`` / ``q_offset``: host values, or device tensors in a decode step planned on
+    the device), returning the pass's state; then ``attend`` for every layer in order, ``q [B, HQ, L, D]``,
+    ``k, v [B, H, N, D]`` (the whole cache) -> ``[B, HQ, L, D]``; ``scale`` is the softmax scale (None: ``D**-0.5``).
+    The state belongs to its pass alone (concurrent passes never share one)."""
+
+    def begin(self, q: torch.Tensor, k: torch.Tensor, kv_start, q_offset) -> Any: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+               scale: float | None) -> torch.Tensor: ...
 
 
 class DenseRuntime:

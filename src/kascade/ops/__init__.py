@@ -38,8 +38,8 @@ from .geometry import check_dtypes, check_scale, check_shapes
 from .selection import Selection
 from .step import Step, decode_meta, decode_meta_static
 
-__all__ = ["Budget", "Selection", "Step", "attended_keys", "dense_attention", "dense_select", "plan_step", "select",
-           "sparse_attention"]
+__all__ = ["Budget", "Selection", "Step", "attended_keys", "dense_attention", "dense_select", "plan_step",
+           "resolve_backend", "select", "sparse_attention"]
 
 BACKENDS = ("reference", "triton")
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -63,6 +63,23 @@ def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> 
     if group is not None and group > TRITON_MAX_GROUP:
         return f"backend='triton' supports GQA groups up to {TRITON_MAX_GROUP} query heads per KV head, got {group}"
     return None
+
+
+def resolve_backend(backend: str, device, dtype=None, head_dim=None, group=None) -> str:
+    """The backend that serves these inputs: ``"auto"`` is "triton" on a CUDA device whose dtype, head dim and group
+    the kernels serve (and with triton installed), else "reference"; ``"triton"`` where it cannot run raises
+    ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. The one rule every caller
+    (``enable``, the runtime per pass, ``kascade costs``) applies."""
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto', *BACKENDS)}")
+    if backend == "reference":
+        return backend
+    why = triton_unavailable_reason(device, dtype, head_dim, group)
+    if backend == "triton":
+        if why:
+            raise ValueError(why)
+        return backend
+    return "triton" if why is None and torch.device(device).type == "cuda" else "reference"
 
 
 # ----------------------------------------------------------------------------------------------------------------
