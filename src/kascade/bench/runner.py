@@ -139,14 +139,9 @@ def decode_modes(modes, decode: str | None) -> tuple[str | None, tuple[str, ...]
     return ("graph" if "graph" in modes else "eager"), tuple(m for m in modes if m != "graph")
 
 
-def main_args(args) -> int:
-    """The `kascade bench` subcommand (called by :mod:`kascade.cli`)."""
-    args.decode, args.generate = decode_modes(args.decode_modes, args.decode)
-    settings = Settings(lengths=args.lengths, batches=args.batches, pairs=args.configs, repeats=args.repeats,
-                        decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk, backend=args.backend,
-                        decode=args.decode, generate=args.generate, compile_backend=args.compile_backend,
-                        seed=args.seed, device=args.device, memory_limit_gb=args.memory_limit,
-                        time_budget_s=args.time_budget or None)
+def main_args(args, settings: Settings) -> int:
+    """The `kascade bench` subcommand (called by :mod:`kascade.cli`, which builds ``settings`` from ``args``): runs
+    ``args.models`` and prints the table."""
     r = run(args.models, settings, args.out, model_path=args.model, plan=args.plan, argv=sys.argv)
     print()
     print(table(r))

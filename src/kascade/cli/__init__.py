@@ -1,5 +1,7 @@
-"""The `kascade` command: demo | calibrate | eval | bench (each in :mod:`.commands`) | costs (:mod:`.costs`; option
-types in :mod:`.types`).
+"""The `kascade` command: demo | calibrate | eval | bench | costs, one module each (:mod:`.demo`, :mod:`.calibrate`,
+:mod:`.eval`, :mod:`.bench`, :mod:`.costs`: ``add(sub)``, the command's options; ``run(args)``, what it runs). A
+command's settings dataclass is built from its options field by field (:mod:`.settings`); the option value types are in
+:mod:`.types`.
 
 Every argument is checked before a model is loaded. An error the user can cause ends the command with one line,
 ``kascade <command>: error: ...``, and exit status 2 (argparse's convention); anything else shows its traceback.
@@ -11,7 +13,7 @@ import argparse
 import re
 import sys
 
-from . import commands, costs
+from . import bench, calibrate, costs, demo, eval  # eval: the command's module (importing it binds the name anyway)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU).",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (commands.add_demo, commands.add_calibrate, commands.add_eval, commands.add_bench, costs.add_costs):
-        add(sub)
+    for command in (demo, calibrate, eval, bench, costs):
+        command.add(sub)
     return p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .types import device, number, positive
 
 
-def run_costs(args) -> int:
+def run(args) -> int:
     from .. import costs_measure as cm
 
     cm.check_out(args.out)  # before the model's config or any tensor is read
@@ -17,7 +17,7 @@ def run_costs(args) -> int:
     return 0
 
 
-def add_costs(sub) -> None:
+def add(sub) -> None:
     from .. import costs
     from ..costs_measure import DEFAULT_LENGTHS
 
@@ -61,4 +61,4 @@ def add_costs(sub) -> None:
     c.add_argument("--backend", default="auto", choices=("auto", "reference", "triton"),
                    help="Kascade's ops: triton (the kernels), reference (pure PyTorch) or auto (triton on CUDA "
                    "where it can run, else reference) (default: auto)")
-    c.set_defaults(func=run_costs, parser=c)
+    c.set_defaults(func=run, parser=c)

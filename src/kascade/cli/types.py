@@ -124,6 +124,18 @@ def rule(value):
     return value
 
 
+def batch_by_length(value: str) -> tuple[int, int]:
+    """An argparse type: ``BxL``, a batch size and a prompt length (positive integers)."""
+    try:
+        b, n = (int(x) for x in value.lower().split("x"))
+    except ValueError:
+        b = n = 0
+    if b < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"a configuration is BATCHxLENGTH of positive integers (e.g. 1x32768), "
+                                         f"got {value!r}")
+    return b, n
+
+
 def model_args(p) -> None:
     """--model and --device: the same meaning in every command."""
     p.add_argument("--model", default=None, metavar="PATH",
