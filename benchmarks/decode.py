@@ -233,14 +233,13 @@ def tie_gaps(q, k, scale, a, b, most=16):
 
 def pool_parts(q, k, meta, scale, sc, ch):
     """The selection's first kernel alone (pooling over the group, writing the pooled row): without the first radix
-    histogram and with it (exponents counted in registers, one global atomic per bin; before 2026-12-04 one per key:
-    "pool_atomic" in older runs). The rest of a radix selection (the refining passes, the threshold counts, the
-    ordered write) is select_radix - score_only - pool_hist."""
+    histogram and with it (exponents counted in registers, one global atomic per bin). The rest of a radix selection
+    (the refining passes, the threshold counts, the ordered write) is select_radix - score_only - pool_hist."""
     B, HQ = q.shape[:2]
     H = k.shape[1]
     _, Mx, Ls, Sc, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                            sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
-    chunk = ch or min(topk.SELECT_CHUNK, triton.next_power_of_2(meta.n_max))
+    chunk = ch or min(topk.TOPK_LAUNCH["decode"].keys_per_program, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
     state = torch.empty(B * H, 8, dtype=torch.int32, device=q.device)
 

@@ -117,8 +117,8 @@ def sweep(results, N=32768, device="cuda"):
     for bn, nw, ns, fma in ((64, 4, 3, 0), (64, 4, 3, 8), (64, 4, 3, 4), (128, 8, 2, 0), (128, 8, 3, 0), (128, 8, 3, 8),
                             (128, 4, 3, 0), (64, 8, 3, 0), (64, 4, 2, 0)):
         timed(f"scores only bn{bn} w{nw} s{ns}{f' fma{fma}' if fma else ''}",
-              lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, block_n=bn, num_warps=nw,
-                                        num_stages=ns, fma_exp=fma, _scores_only=True))
+              lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, scores_only=True,
+                                        scoring=tp.Launch(block_n=bn, num_warps=nw, num_stages=ns, fma_exp=fma)))
     # smaller chunks of tiles (default: the 64 MB scratch bound, a ~60 MB score buffer at 32K): a buffer that stays in
     # the 50 MB L2 between the top-k's five reads of it, at the price of more, smaller launches
     for mb in (16, 32):
@@ -128,8 +128,7 @@ def sweep(results, N=32768, device="cuda"):
     first = first_keys(sel)
     # bm: rows per program (None: the tile's G * T; 64: two programs per tile gathering the same keys). pf: the
     # indices loaded an iteration ahead (prefetch), after which Triton 3.6 keeps num_stages - 1 blocks of gathered K / V
-    # rows in flight. Until run 10 every configuration had its wgmma instructions serialised by ptxas (the own-tile
-    # block after the loop), and until run 11 the loop masked every block (a fifth of its instructions).
+    # rows in flight.
     for bn, nw, ns, bm, pf in ((64, 8, 3, None, True), (64, 8, 4, None, True), (64, 8, 3, None, False),
                                (128, 8, 2, None, True), (128, 8, 2, None, False), (128, 8, 3, None, False),
                                (32, 4, 4, None, True), (64, 4, 3, None, False), (64, 4, 3, 64, False)):
@@ -149,14 +148,13 @@ def sweep(results, N=32768, device="cuda"):
                                                                                     lse=lse, max_chunk_bytes=mb << 20))
     # the QK-only pass at D = 64: SFU-bound (68 MUFU.EX2 per warp and block, 544 cycles, against 368 instructions)
     timed("smollm2 lse-only", lambda: tp.prefill_lse(q, k, scale=sc))
-    # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default since
-    # run 10), one block of 128 (a quarter of it padding: the default before), or three of 32 reloaded per key block;
-    # fma: every n-th group of 8 rows' exponentials on the FMA pipes (8 the default since run 11; run 11 timed the
-    # padded block 3% faster than 64 + 32 without them, and did not time it with them)
+    # the scoring pass at G * T = 96 rows a tile: blocks of 64 + 32 rows held for the whole loop (the default), one
+    # block of 128 (a quarter of it padding), or three of 32 reloaded per key block; fma: every n-th group of 8 rows'
+    # exponentials on the FMA pipes (8 the default at D = 64)
     for rows, fma in ((None, 0), (128, 0), (32, 0), (None, 8), (None, 4), (128, 8)):
         timed(f"smollm2 scores only rows{rows or 'tile'}{f' fma{fma}' if fma else ''}",
-              lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, tile_rows=rows, fma_exp=fma,
-                                        _scores_only=True))
+              lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse, scores_only=True,
+                                        scoring=tp.Launch(block_m=rows, fma_exp=fma)))
     # r128: at most 128 registers a thread (8 warps then fit two programs per SM; they need 130 at (64, 8, 4)).
     # m32: three programs of 32 rows per tile (no padding row, mma.sync instead of wgmma, each gathering the keys)
     for bn, nw, ns, pf, reg, bm in ((64, 4, 4, True, None, None), (64, 4, 3, False, None, None),
@@ -214,7 +212,7 @@ def measure(name, HQ, H, D, N, flex, B=1):
     row["triton_dense_lse"] = bench(lambda: tp.dense_prefill(q, k, v, scale=sc, return_lse=True))
     row["select_given_lse"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse))
     row["select_scores_only"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse,
-                                                               _scores_only=True))
+                                                               scores_only=True))
     row["layer0"] = bench(lambda: tp.dense_select_prefill(q, k, v, budget=BUDGET, scale=sc))
     sel = tp.select_prefill(q, k, budget=BUDGET, scale=sc, lse=lse)
     row["select"] = bench(lambda: tp.select_prefill(q, k, budget=BUDGET, scale=sc))
@@ -262,8 +260,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for prefill.json and prefill_table.md (default out/prefill)")
     ap.add_argument("--ns", default="8192,32768,65536,131072", help="comma list of sequence lengths N")
     ap.add_argument("--no-sweep", action="store_true",
-                    help="skip the launch-configuration and option sweep at N = 32K (run 11's 68 entries and the 32K "
-                         "rows took 237 s on the H200; it has 56 entries now)")
+                    help="skip the launch-configuration and option sweep at N = 32K (56 entries; with the 32K rows "
+                         "about 200 s on an H200)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes minutes)")
     ap.add_argument("--batches", default="1", help="comma list of batch sizes (every sequence N tokens)")
     args = ap.parse_args(argv)

@@ -58,31 +58,32 @@ def variants():
                 "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
         yield f"decode merge D{D}", td._merge_kernel, dict(HQ=32, D=D, S_PAD=64, RNE=False), 4, 3
         T = 32
-        M0, bn, nw, ns = tp._dense_config(G, D, True)
-        BQ, Mr = tp._rows(G, M0)
-        yield (f"prefill dense D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=True, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
-        M0, bn, nw, ns = tp._dense_config(G, D, False)
-        BQ, Mr = tp._rows(G, M0)
-        yield (f"prefill lse D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=bn, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False), nw, ns)
+        for kind, has_v in (("dense", True), ("lse", False)):
+            c = tp._launch(kind, D)
+            BQ, Mr = tp._rows(G, c.block_m)
+            yield (f"prefill {kind} D{D}", tp._dense_kernel,
+                   dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=has_v, WRITE_LSE=True, F32=False, RNE=False),
+                   c.num_warps, c.num_stages)
         # G = 6: two blocks, 128 + 64 rows, with the first reloaded; each D also with the fma_exp (8 or 0) that is not
         # its default (the sweep's)
-        for Gs, poly in ((G, tp.score_fma_exp(D)), (G, 8 - tp.score_fma_exp(D)),
-                         *(((6, tp.score_fma_exp(D)),) if D == 128 else ())):
+        fma = tp._launch("score", D).fma_exp
+        for Gs, poly in ((G, fma), (G, 8 - fma), *(((6, fma),) if D == 128 else ())):
             M, NSUB, MR = tp._score_rows(Gs, T)
-            bn, nw, ns = tp._score_config(D, NSUB)
+            c = tp._launch("score_reloaded" if NSUB > 1 else "score", D)
             yield (f"prefill score D{D}" + (f" G{Gs}" if Gs != G else "") + (f" fma{poly}" if poly else ""),
-                   tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=False,
-                                          NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly), nw, ns)
+                   tp._score_kernel, dict(HQ=8 * Gs, G=Gs, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=c.block_n,
+                                          F32=False, NHIST=topk.NHIST, ZERO_HIST=True, POLY=poly),
+                   c.num_warps, c.num_stages)
         M, NRB = tp._tile_rows(G, T)
-        bn, nw, ns, ahead, regs = tp._sparse_config(D)  # regs: the launch's register bound (maxnreg), if any
+        c = tp._launch("sparse", D)  # maxnreg: the launch's register bound, if any
         yield (f"prefill sparse D{D}", tp._sparse_kernel,
-               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=256, F32=False, RNE=False, HAS_CNT=True,
-                    PREFETCH=ahead), nw, ns, *([{"maxnreg": regs}] if regs else []))
-    ch = topk.SELECT_CHUNK
+               dict(G=G, T=T, TP=32, D=D, M=M, NRB=NRB, BLOCK_N=c.block_n, MAXB=256, F32=False, RNE=False,
+                    HAS_CNT=True, PREFETCH=c.prefetch), c.num_warps, c.num_stages,
+               *([{"maxnreg": c.maxnreg}] if c.maxnreg else []))
+    ch = topk.TOPK_LAUNCH["decode"].keys_per_program  # (prefill's the same: the radix and write passes serve both)
     yield "topk pool", topk._pool_kernel, dict(H=8, G=4, GP=4, S_PAD=64, CH=ch, NHIST=topk.NHIST, HIST=True), 4, 3
-    yield "topk hist", topk._hist_kernel, dict(CH=ch, NHIST=topk.NHIST), 4, 3
+    yield ("topk hist", topk._hist_kernel,
+           dict(CH=topk.TOPK_LAUNCH["prefill"].keys_per_program, NHIST=topk.NHIST), 4, 3)
     for level in (2, 3, 5):
         yield f"topk radix L{level}", topk._radix_kernel, dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level), 4, 3
     yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
@@ -121,8 +122,8 @@ def resources(cubin: bytes) -> str:
 
 def serialised(ptx: str) -> bool:
     """Whether ptxas serialises the kernel's wgmma instructions (its info C7515: each waited for before the next is
-    issued, the tensor cores' pipelining lost; the prefill sparse kernel had it under Triton 3.6 with its own-tile
-    block after the loop, 2026-12-04 -- a third of its speed). Asked of the ptxas that Triton carries, verbose."""
+    issued, the tensor cores' pipelining lost: the prefill sparse kernel, under Triton 3.6, with its own-tile block
+    after the loop -- a third of its speed). Asked of the ptxas that Triton carries, verbose."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")

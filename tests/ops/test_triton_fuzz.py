@@ -501,8 +501,9 @@ def run_dense_prefill(c: Case, x: Inputs) -> None:
 
 def run_select_prefill(c: Case, x: Inputs) -> None:
     o = c.opts
-    kw = dict(_chunk_bytes(c), **({"block_n": o["block_n"]} if o["block_n"] else {}))
-    kw["fma_exp"] = 2 if o["scoring"] == "fma" else 0  # every other group of 8 rows on the FMA pipes
+    # the scoring pass: every other group of 8 rows' exponentials on the FMA pipes, or none
+    scoring = tp.Launch(block_n=o["block_n"] or None, fma_exp=2 if o["scoring"] == "fma" else 0)
+    kw = dict(_chunk_bytes(c), scoring=scoring)
     with poisoned_allocations():
         if o["lse"] == "given":
             kw["lse"] = tp.prefill_lse(x.qd, x.kd, **x.pos)

@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 from kascade.budget import Budget  # noqa: E402
 from kernel_checks import (check_close, check_lse, check_prefill_selection, dev, dev_selection,  # noqa: E402
                            host_selection, masters, nan_like, poison, pooled_prefill_rows, scoring_hist, sized)
-from kascade.ops import reference  # noqa: E402
+from kascade.ops import prefill_chunks, reference  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
 
@@ -96,11 +96,13 @@ def test_prefill_kernels_match_reference(case):
     few_topk = B * H * 3 * (4 * N + 40 * budget.k(N))
     for what, kw in (("given lse", {"lse": lse}), ("own lse", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
                      ("few-tile chunks", {"max_chunk_bytes": few}), ("int32", {"index_dtype": torch.int32}),
-                     ("16-row scoring blocks", {"tile_rows": 16}),
-                     ("exponentials on the FMA pipes", {"fma_exp": 1}), ("every other group on them", {"fma_exp": 2}),
+                     ("16-row scoring blocks", {"scoring": {"block_m": 16}}),
+                     ("exponentials on the FMA pipes", {"scoring": {"fma_exp": 1}}),
+                     ("every other group on them", {"scoring": {"fma_exp": 2}}),
                      ("torch.topk", {"method": "topk"}),
                      ("torch.topk, few-tile chunks", {"method": "topk", "max_chunk_bytes": few_topk})):
-        sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw, block_n=16)
+        kw = {**kw, "scoring": tp.Launch(block_n=16, **kw.get("scoring", {}))}
+        sel = tp.select_prefill(qd, kk, budget=budget, **pos, **kw)
         if what == "int32":
             assert sel.indices.dtype == torch.int32
             sel = type(sel)(sel.indices.long(), sel.row_start, sel.tile, sel.decode)
@@ -215,7 +217,8 @@ def test_selection_scratch_stays_within_the_bound(monkeypatch):
             else:
                 fixed += nbytes
         assert len(chunks) > 1 and fixed >= lse_bytes
-        assert fixed + max(chunks) <= bound - int(bound * tp.ALLOCATOR_RESERVE), (bound, fixed, max(chunks))
+        reserve = int(bound * prefill_chunks.ALLOCATOR_RESERVE)
+        assert fixed + max(chunks) <= bound - reserve, (bound, fixed, max(chunks))
 
 
 def test_selection_makes_the_lse_a_group_of_sequences_at_a_time(monkeypatch):
@@ -227,10 +230,10 @@ def test_selection_makes_the_lse_a_group_of_sequences_at_a_time(monkeypatch):
     q, k = dev(q64.to(dt)), dev(k64.to(dt))
     pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset, "budget": _budget(T)}
     whole = tp.select_prefill(q, k, **pos)
-    assert tp._lse_group(B, H * G, L, 64 << 20) == B
+    assert prefill_chunks.lse_group(B, H * G, L, 64 << 20) == B
     made = []
     real = tp.prefill_lse
-    monkeypatch.setattr(tp, "_lse_group", lambda *a: 1)
+    monkeypatch.setattr(prefill_chunks, "lse_group", lambda *a: 1)
     monkeypatch.setattr(tp, "prefill_lse", lambda q, *a, **kw: made.append(q.shape[0]) or real(q, *a, **kw))
     grouped = tp.select_prefill(q, k, **pos)
     assert made == [1] * B
@@ -238,17 +241,21 @@ def test_selection_makes_the_lse_a_group_of_sequences_at_a_time(monkeypatch):
     assert torch.equal(grouped.row_start.cpu(), whole.row_start.cpu())
 
 
-def test_selection_refuses_lse_pass_keywords_when_the_lse_is_given():
-    """select_prefill hands keywords it does not know to its LSE pass; with the LSE given there is no such pass, and
-    they were dropped without a word (a benchmark sweep once timed "options" that changed nothing)."""
+def test_selection_hands_its_lse_launch_to_the_lse_pass_and_refuses_it_with_the_lse_given(monkeypatch):
+    """lse_launch= goes to the LSE pass (its fields set, as keywords); with the LSE given there is no such pass, and
+    a launch for it would be dropped without a word (a sweep timing "options" that change nothing): refused."""
     B, H, G, N, D, T = 1, 1, 2, 40, 64, 16
     g = torch.Generator().manual_seed(5)
     q = dev(torch.randn(B, H * G, N, D, generator=g))
     k = dev(torch.randn(B, H, N, D, generator=g))
     lse = tp.prefill_lse(q, k, scale=D**-0.5)
-    with pytest.raises(AssertionError, match="block_m"):
-        tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), lse=lse, block_m=64)
-    tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), block_m=64)  # without it: the LSE pass's keyword
+    with pytest.raises(AssertionError, match="LSE is given"):
+        tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), lse=lse, lse_launch=tp.Launch(block_m=64))
+    seen = []
+    real = tp.prefill_lse
+    monkeypatch.setattr(tp, "prefill_lse", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    tp.select_prefill(q, k, scale=D**-0.5, budget=_budget(T), lse_launch=tp.Launch(block_m=64, num_warps=2))
+    assert len(seen) == 1 and seen[0]["block_m"] == 64 and seen[0]["num_warps"] == 2 and "block_n" not in seen[0]
 
 
 def test_sparse_prefill_with_counts_attends_each_rows_prefix():

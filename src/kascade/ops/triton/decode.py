@@ -24,6 +24,8 @@ log-sum-exp in fp32. The error is then that of rounding an exact result to the o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
@@ -175,41 +177,53 @@ def _gp(G: int) -> int:
     return max(16, next_power_of_2(G))
 
 
-# Launch configuration of each pass of the split-K kernel: (BLOCK_N at D <= 128, num_warps, num_stages, programs
-# per multiprocessor, whether the split count rounds up to reach them). From a per-shape sweep on an H200
-# (python -m benchmarks.decode_configs, Llama and default-model shapes, B 1-32, N 32K-128K; the sweep:
-# git show c30057b:docs/benchmarks/decode_configs.json). At D = 256 BLOCK_N is halved (the same bytes per pipeline
-# stage; not swept). Rounding down keeps the programs within one wave (a second, partly filled wave cost up to 30 %
-# in the sweep).
-#   dense:        the plain dense decode (our baseline; the SDPA kernel is usually the faster); not swept again, it
-#                 keeps its earlier rule, rounded up (rounded down, at B = 32, 128K, it took one split instead of two
-#                 and 3,988 us instead of 3,758, decode_run7.json).
-#   score:        the anchor's scoring pass (K only, writes the G score rows): 128-key blocks keep enough bytes in
-#                 flight; 27-32 % faster than the dense pass's (32, 4, 3) at B = 1-8.
-#   dense_scores: layer 0 (dense output + score rows).
-#   sparse:       the reuse pass over gathered rows; once the rows alone fill the GPU it wants more programs than
-#                 one wave: SPARSE_FULL (426 against 502 us at B = 32, 128K).
+@dataclass(frozen=True)
+class PassLaunch:
+    """One pass's launch of the split-K kernel."""
+
+    block_n: int  # keys a block at D <= 128 (halved at D = 256 but in the dense pass: the same bytes a stage)
+    num_warps: int
+    num_stages: int
+    per_sm: int  # programs per multiprocessor the split count aims at
+    round_up: bool  # whether the split count rounds up to reach them (down: never more, one wave)
+    why: str = field(default="", compare=False, repr=False)
+
+
+# The launch of each pass: "dense" (plain dense decode), "score" (the anchor's scoring pass: K only, writes the G
+# score rows), "dense_scores" (layer 0: dense output and score rows), "sparse" (the reuse pass over gathered rows;
+# "sparse_full" once the (sequence, KV head) rows alone fill the GPU). In the whys: an H200's per-shape sweep
+# (``python -m benchmarks.decode_configs``: Llama and default-model shapes, B 1-32, N 32K-128K, bf16), times in us;
+# launches as (block_n, num_warps, num_stages). A second, partly filled wave costs up to 30% in that sweep: the splits
+# round down unless said.
 PASS_CONFIG = {
-    "dense": (32, 4, 3, 2, True),
-    "score": (128, 4, 3, 2, False),
-    "dense_scores": (64, 4, 3, 2, False),
-    "sparse": (64, 4, 3, 3, False),
+    "dense": PassLaunch(32, 4, 3, 2, True,
+                        why="not swept (SDPA is the dense baseline); rounds up: down, it takes one split instead of "
+                            "two at B = 32, 128K and 3,988 against 3,758"),
+    "score": PassLaunch(128, 4, 3, 2, False,
+                        why="128-key blocks keep enough bytes in flight: 27-32% faster than (32, 4, 3) at B = 1-8 "
+                            "(81 against 109 at B = 1, 128K; 540 against 749 at B = 8, 128K)"),
+    "dense_scores": PassLaunch(64, 4, 3, 2, False,
+                               why="the fastest or within 1% of it at every swept shape (B = 8, 128K: 1,054 "
+                                   "against 1,044 for (64, 8, 3))"),
+    "sparse": PassLaunch(64, 4, 3, 3, False,
+                         why="3 programs an SM while the rows are fewer than the SMs: 45 against 50 at B = 8, 32K "
+                             "(6 splits, not 9); the default model's B = 8, 32K: 19.3 against 18.1 at 4 rounded up"),
+    "sparse_full": PassLaunch(64, 4, 3, 4, True,
+                              why="only its programs per SM count (the blocks are the sparse pass's): once the rows "
+                                  "alone fill the GPU, more than one wave: 426 against 502 at B = 32, 128K"),
 }
-SPARSE_FULL = (4, True)
-# Before 2026-12-04 every pass took (32, 4, 3, 2) and the sparse pass (64, 4, 3, 4), programs per SM rounded up.
 
 
 def _default_config(D: int, kind: str) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of one pass (:data:`PASS_CONFIG`)."""
-    bn, nw, ns, _, _ = PASS_CONFIG[kind]
-    return (bn // 2 if D > 128 and kind != "dense" else bn), nw, ns
+    c = PASS_CONFIG[kind]
+    return (c.block_n // 2 if D > 128 and kind != "dense" else c.block_n), c.num_warps, c.num_stages
 
 
 def _per_sm(kind: str, rows: int, device) -> tuple[int, bool]:
     """(programs per multiprocessor, round the split count up) of one pass over ``rows`` (sequence, KV head) rows."""
-    if kind == "sparse" and rows >= num_sms(device):
-        return SPARSE_FULL
-    return PASS_CONFIG[kind][3:]
+    c = PASS_CONFIG["sparse_full" if kind == "sparse" and rows >= num_sms(device) else kind]
+    return c.per_sm, c.round_up
 
 
 def _splits(rows: int, n: int, block_n: int, device, num_splits=None, per_sm=2, round_up=True) -> tuple[int, int]:

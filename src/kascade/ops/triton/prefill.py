@@ -13,13 +13,14 @@ whatever ``G``).
 * :func:`dense_prefill`: causal flash attention forward, optionally the per-row log-sum-exp (natural log).
 * :func:`select_prefill`: anchor selection. Row statistics (the LSE, from a QK-only pass unless given), then for a
   chunk of tiles the pooled probabilities ``sum_{g, query in tile} exp(s - lse)`` against every key before the tile,
-  written to a buffer bounded by ``max_chunk_bytes``, then each row's top keys (:func:`kascade.ops.triton.topk.
-  tile_topk`) with the budget's row counts.
+  written to a buffer bounded by ``max_chunk_bytes`` (the chunks: :mod:`kascade.ops.prefill_chunks`), then each
+  row's top keys (:func:`kascade.ops.triton.topk.tile_topk`) with the budget's row counts.
 * :func:`sparse_prefill`: per (tile, KV head), attention of the tile's rows to its selected keys (loaded in the
   kernel from the index list) plus causal attention within the tile.
 
 Kernels only: these functions assert, they do not validate (that is :mod:`kascade.ops`' job). The geometry comes
-from ``kv_start`` / ``q_offset`` or, once per forward, from a :class:`kascade.ops.Step` (``step=``).
+from ``kv_start`` / ``q_offset`` or, once per forward, from a :class:`kascade.ops.Step` (``step=``). Each pass's
+launch comes from one table, :data:`LAUNCH` (per head dim, each entry with what it was measured against).
 
 Numerics: scores, softmax and pooling in fp32 (log2 domain); ``p @ v`` on the tensor cores with ``p`` rounded to
 the value dtype, as in every flash-attention forward.
@@ -27,11 +28,14 @@ the value dtype, as in every flash-attention forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields, replace
+
 import torch
 import triton
 import triton.language as tl
 
 from ...budget import Budget
+from .. import prefill_chunks
 from ..selection import Selection
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
@@ -353,8 +357,8 @@ def _sparse_kernel(
         acc = tl.zeros([M, D], tl.float32)
         # Key order does not matter to the softmax: the masked blocks come first, straight-line, and the loop over the
         # row's full blocks needs no mask at all (a compare and a select per score were an eighth of its
-        # instructions). With the own tile after the pipelined loop, ptxas serialised every wgmma of the kernel
-        # (its warning C7515: each waited for before the next was issued); before it, none are.
+        # instructions). The own tile comes before the pipelined loop: after it, ptxas serialises every wgmma of the
+        # kernel (its warning C7515: each waited for before the next is issued).
         # ---- own tile, causal ----
         offs_t = tl.arange(0, TP)
         kpos = t * T + offs_t
@@ -413,36 +417,85 @@ def _geometry(q, k, step, kv_start, q_offset) -> tuple[torch.Tensor, torch.Tenso
     return host.to(torch.int32).to(q.device), host, N - L if q_offset is None else int(q_offset)
 
 
-def _dense_config(G: int, D: int, has_v: bool, fp32: bool = False) -> tuple[int, int, int, int]:
-    """(rows per program M, BLOCK_N, num_warps, num_stages) for 16-bit or (``fp32``) fp32 inputs."""
-    if fp32 and D > 64:
-        # fp32 tiles take twice the shared memory: the 16-bit configs below ran out of it on an H200 at D = 128
-        # (fp32 K and V blocks of 128 x 128 in 3 stages); this one needs about half the H200's (not timed)
-        return 64, 64, 4, 2
-    if D <= 64:
-        return 128, 64, 4, 3
-    if D <= 128:  # H200 sweeps at N = 32K: dense 17.3 ms with (128, 128, 8, 3) (run 10; 17.1 in run 11); QK-only 9.0 ms
-        # with 256 rows a program, 64 queries x 4 heads, each K block feeding twice the rows (run 11: 9.8 with
-        # (128, 64, 8, 2), run 10's choice, 9.2 with (128, 64, 8, 4); the dense pass spills at 256 rows)
-        return (128, 128, 8, 3) if has_v else (256, 64, 8, 3)
-    return 64, 64, 4, 2
+# ----------------------------------------------------------------------------------------------------------------
+# Launch configurations
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """A prefill pass's launch. An entry of :data:`LAUNCH` sets the fields its pass uses; given to
+    :func:`select_prefill` (``scoring``, ``lse_launch``), the fields set replace the table's."""
+
+    block_m: int | None = None  # rows a program (dense, QK-only); the scoring pass's blocks of a tile's rows
+    block_n: int | None = None  # keys a block
+    num_warps: int | None = None
+    num_stages: int | None = None
+    prefetch: bool | None = None  # sparse: each block's indices loaded an iteration ahead
+    maxnreg: int | None = None  # sparse: the registers a thread may use at most
+    fma_exp: int | None = None  # scoring: every fma_exp-th group of 8 rows' exponentials on the FMA pipes (0: none)
+    why: str = field(default="", compare=False, repr=False)
+
+    def set_fields(self) -> dict:
+        """The launch fields that are set, as keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "why" and getattr(self, f.name) is not None}
 
 
-def _sparse_config(D: int) -> tuple[int, int, int, bool, int | None]:
-    """(BLOCK_N, num_warps, num_stages, PREFETCH, maxnreg) of the sparse kernel. H200 sweeps at 32K (prefill.md, runs
-    8-11), run 10 the first with the kernel's wgmma instructions not serialised by ptxas: Llama shapes (64, 8, 3) with
-    PREFETCH 2.73 ms (2.62 in run 11), (64, 8, 4) with 2.81, (32, 4, 4) with 2.87, (64, 4, 3) without 3.08 (run 8's
-    choice, then 2.89 serialised: it spills more now), (64, 8, 3) without 3.31. The default model's (D = 64), run 11:
-    (64, 8, 3) with PREFETCH and at most 128 registers a thread (two programs an SM; compiled with Triton 3.6.0 it
-    keeps 8 bytes a thread on the stack) 0.63 ms, (64, 8, 4) so 0.65, (64, 4, 4) with PREFETCH 0.73 (run 10's
-    choice, 0.62 then, before the masks left the loop), (64, 8, 4) with PREFETCH and no register bound 0.87."""
-    if D <= 64:
-        return 64, 8, 3, True, 128
-    if D <= 128:
-        return 64, 8, 3, True, None
-    # D = 256 (16 query / 8 KV heads, 32K, run 10, before the masks left the loop): (32, 8, 3) 6.60 ms, (64, 8, 2)
-    # 7.44, (32, 4, 2) 7.50 (ptxas spills 2.7 KB a thread and waits for each wgmma), (32, 8, 2) 8.46
-    return 32, 8, 3, False, None
+# The launch of each pass by head dim: ``(pass, D_max)`` holds for D up to D_max (above the pass's next smaller
+# D_max). Passes: "dense" (flash forward with values, 16-bit), "lse" (the QK-only LSE pass, 16-bit), "fp32" (either of
+# them on fp32 inputs), "score" (the scoring pass, a tile's rows in one block and a remainder held for the loop),
+# "score_reloaded" (a tile's rows in several blocks, reloaded for every key block), "sparse". In the whys: times in ms
+# at N = 32K, bf16, B = 1, Llama-3.1-8B's shapes at D = 128 (32 query / 8 KV heads), the default model's at D = 64
+# (9 / 3); other launches as (block_m, block_n, num_warps, num_stages) for dense and lse, (block_n, num_warps,
+# num_stages) otherwise. ``python -m benchmarks.prefill`` sweeps them (docs/design/kernels.md).
+LAUNCH = {
+    ("dense", 64): Launch(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                          why="not swept at D <= 64"),
+    ("dense", 128): Launch(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                           why="fastest of the H200 sweep: 17.1; (128, 64, 8, 3) 17.5, (128, 64, 8, 4) 18.6"),
+    ("dense", 256): Launch(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                           why="not swept at D = 256: 64 x 256 K / V blocks in two stages"),
+    ("lse", 64): Launch(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                        why="not swept at D <= 64 (2.04 on an H200)"),
+    ("lse", 128): Launch(block_m=256, block_n=64, num_warps=8, num_stages=3,
+                         why="fastest of the H200 sweep: 9.00 (64 queries x 4 heads: each K block feeds twice the "
+                             "rows); (256, 64, 8, 2) 9.05, (128, 64, 8, 4) 9.19; the dense pass spills at 256 rows"),
+    ("lse", 256): Launch(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                         why="not swept at D = 256: the dense pass's"),
+    ("fp32", 64): Launch(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                         why="the 16-bit launch: fp32 64 x 64 blocks fit its shared memory (not timed)"),
+    ("fp32", 256): Launch(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                          why="fp32 128 x 128 K / V blocks in 3 stages (the 16-bit launch) run out of shared memory on "
+                              "an H200 at D = 128; this needs about half of it (not timed)"),
+    ("score", 64): Launch(block_n=64, num_warps=4, num_stages=3, fma_exp=8,
+                          why="H200 sweep: 3.62 with every 8th group's exponentials on the FMA pipes, 4.12 without, "
+                              "4.50 every 4th (the SFU limits the pass at D = 64)"),
+    ("score", 128): Launch(block_n=64, num_warps=4, num_stages=3, fma_exp=0,
+                           why="fastest of the H200 sweep: 11.0; (128, 8, 2) 11.8, (64, 4, 2) 13.4, (64, 8, 3) 14.4; "
+                               "FMA exponentials 13.1 (the pass is issue-bound)"),
+    ("score", 256): Launch(block_n=32, num_warps=4, num_stages=2, fma_exp=0,
+                           why="not swept at D = 256; its mma.sync layout does not fold fma_exp per register"),
+    ("score_reloaded", 64): Launch(block_n=64, num_warps=4, num_stages=3, fma_exp=8,
+                                   why="the 'score' launch (not timed)"),
+    ("score_reloaded", 128): Launch(block_n=64, num_warps=4, num_stages=1, fma_exp=0,
+                                    why="pipelining holds every reloaded block in every stage: more stages run out "
+                                        "of shared memory on an H200 (G * T > 128, 16-bit); not timed"),
+    ("score_reloaded", 256): Launch(block_n=32, num_warps=4, num_stages=1, fma_exp=0,
+                                    why="as at D = 128 (not timed)"),
+    ("sparse", 64): Launch(block_n=64, num_warps=8, num_stages=3, prefetch=True, maxnreg=128,
+                           why="fastest of the H200 sweep: 0.63 (two programs an SM); (64, 8, 4) 0.65; prefetch "
+                               "without the register bound: (64, 4, 4) 0.73, (64, 8, 4) 0.87"),
+    ("sparse", 128): Launch(block_n=64, num_warps=8, num_stages=3, prefetch=True,
+                            why="fastest of the H200 sweep: 2.62; (64, 8, 4) 2.70, without prefetch 3.12, (64, 4, 3) "
+                                "4.05"),
+    ("sparse", 256): Launch(block_n=32, num_warps=8, num_stages=3, prefetch=False,
+                            why="fastest at D = 256 on an H200 (16 query / 8 KV heads): 6.60; (64, 8, 2) 7.44, "
+                                "(32, 4, 2) 7.50 (spills), (32, 8, 2) 8.46"),
+}
+
+
+def _launch(kind: str, D: int) -> Launch:
+    """The table's launch of pass ``kind`` at head dim ``D``."""
+    return LAUNCH[kind, min(d for p, d in LAUNCH if p == kind and D <= d)]
 
 
 def _rows(G: int, M: int) -> tuple[int, int]:
@@ -474,9 +527,9 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
     dev = q.device
     ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
     f32, rne = flags(q)
-    M0, bn, nw, ns = _dense_config(G, D, has_v, q.dtype == torch.float32)
-    BQ, M = _rows(G, block_m or M0)
-    bn = block_n or bn
+    cfg = _launch("fp32" if q.dtype == torch.float32 else "dense" if has_v else "lse", D)
+    BQ, M = _rows(G, block_m or cfg.block_m)
+    bn = block_n or cfg.block_n
     if has_v:
         assert v.shape == k.shape and v.stride(-1) == 1
         out = torch.empty_like(q) if out is None else out
@@ -489,7 +542,7 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
         L, q_offset, scale * LOG2E,
         G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
-        num_warps=num_warps or nw, num_stages=num_stages or ns,
+        num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
     )
     return (out if has_v else None), (lse if write_lse else None)
 
@@ -518,44 +571,16 @@ def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
     return M, NSUB, MR
 
 
-def _score_config(D: int, NSUB: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the scoring pass for NSUB blocks of M rows (:func:`_score_rows`). H200
-    sweep (Llama, 32K): 4 warps 22.7 ms, 8 warps 27.5 ms. Several blocks of M rows are reloaded for every key block,
-    and pipelining holds each in every stage: at D = 128 that ran out of shared memory on an H200 (G*T > 128, fp16 /
-    bf16); one stage then (only those shapes change; not timed)."""
-    bn = 64 if D <= 128 else 32
-    return bn, 4, 1 if NSUB > 1 and D > 64 else 3 if D <= 128 else 2
-
-
 # The radix top-k's first histogram counts exponents under a bound of each row's k-th value (a row pools G x T
 # queries' probabilities, so it sums to at most G x T); False: the whole bit pattern from the top, no bound
 # (python -m benchmarks.prefill times both).
 TOPK_BOUND = True
 
 
-# Exponentials on the FMA pipes (_exp2_cols) in the scoring pass: every n-th group of 8 rows of a block (0: none, all
-# on the SFU). Compiled for sm_90, per warp and block, at D = 128: 64 MUFU.EX2 (512 SFU cycles) and 292 instructions
-# with 0, 56 and 392 with 8, 48 and 469 with 4. H200 sweep at 32K (run 11, prefill.md): the default model's scoring
-# pass 3.62 ms with 8 against 4.12 with none (4.50 with 4); at Llama's shapes 11.0 with none, 13.1 with 8, 14.6 with
-# 4. The QK-only LSE pass keeps all its exponentials on the SFU: at the default model's shapes (D = 64: 68 MUFU, 544
-# cycles, against 368 instructions) 2.04 ms, against 2.06 with every 8th group on the FMA pipes.
-def score_fma_exp(D: int) -> int:
-    """The scoring pass's default ``fma_exp`` at head dim ``D``: 8 at D <= 64, else 0 (at D = 256 the pass uses
-    ``mma.sync``, whose layout does not fold the choice per register)."""
-    return 8 if D <= 64 else 0
-
-
-# The share of the selection's scratch bound kept for PyTorch's caching allocator: it hands out a cached block up to
-# 1 MiB larger than asked for whole, and torch.cuda.max_memory_allocated counts the whole block; three allocations
-# of a selection may be that large (the LSE, a chunk's score buffer and its histograms): 3 MiB of the default 64 MiB.
-# (With 1/64 the H200 measured 64.5 MB at the default model's 32K shapes, run 9 of docs/design/kernels.md.)
-ALLOCATOR_RESERVE = 3 / 64
-
-
-def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
-                   lse=None, max_chunk_bytes=64 << 20, index_dtype=None, depth=None, block_n=None, num_warps=None,
-                   num_stages=None, tile_rows=None, fma_exp=None, method="radix", _scores_only=False,
-                   **lse_cfg) -> Selection:
+def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None, lse=None,
+                   depth=None, index_dtype=None, max_chunk_bytes=64 << 20, method="radix",
+                   scoring: Launch | None = None, lse_launch: Launch | None = None,
+                   scores_only=False) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
     (layer 0) or ``None`` (computed here by a QK-only pass). Returns a prefill :class:`Selection` with the same
     shape as the reference's: ``[B, H, R, K]`` absolute slots, ascending, -1 padded, in ``index_dtype`` (default:
@@ -566,23 +591,26 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
     probability, not sorted by slot, -1 padded at the end.
 
-    ``block_n``, ``num_warps``, ``num_stages``, ``tile_rows`` (the scoring pass's blocks of a tile's rows, a power of
-    two; default :func:`_score_rows`' blocks, which pad the fewest rows), ``fma_exp`` (every ``fma_exp``-th group of
-    8 rows takes its exponentials on the FMA pipes, :func:`_pool`; 0: none; default :func:`score_fma_exp`): the
-    scoring pass's launch; other keywords go to the LSE pass (:func:`prefill_lse`; an assertion when ``lse`` is
-    given).
+    ``max_chunk_bytes``: the scratch bound. Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in
+    all (:mod:`kascade.ops.prefill_chunks`: 3/64 of it kept for the caching allocator). When the LSE is not given it
+    is made for a group of sequences at a time (at most a quarter of the bound, or one sequence), and each group's
+    selection then holds its LSE (``4 * HQ * L`` bytes a sequence), its per-row metadata (16 bytes a row) and the
+    score buffer of a chunk of tiles with its top-k temporaries; the bound is exceeded only by a single sequence
+    whose LSE takes more than 3/4 of it (the chunks still get 1/4), or by one tile's rows alone. The returned
+    indices are not counted.
 
-    ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
-    tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured shape,
-    docs/design/kernels.md) or "topk" (``torch.topk``).
+    Tuning (the defaults are the fastest measured, docs/design/kernels.md):
 
-    Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in all, less 3/64 of it kept for the caching
-    allocator (:data:`ALLOCATOR_RESERVE`). When the LSE is not given it is made for a group of sequences
-    at a time (:func:`_lse_group`: at most a quarter of the bound, or one sequence), and each group's selection
-    then holds its LSE (``4 * HQ * L`` bytes a sequence), its per-row metadata (16 bytes a row) and the score
-    buffer of a chunk of tiles with its top-k temporaries; the bound is exceeded only by a single sequence whose
-    LSE takes more than 3/4 of it (the chunks still get 1/4), or by one tile's rows alone. The returned indices are
-    not counted."""
+    * ``method``: how each row's top keys are found in the chunk's score buffer (:func:`kascade.ops.triton.topk.
+      tile_topk`): "radix" (the Triton radix select, the default: faster than ``torch.topk`` at every measured
+      shape) or "topk" (``torch.topk``).
+    * ``scoring``: the scoring pass's launch; the fields set replace :data:`LAUNCH`'s (``block_n``, ``num_warps``,
+      ``num_stages``, ``block_m``: blocks of a tile's rows, a power of two, by default :func:`_score_rows`' blocks,
+      which pad the fewest rows; ``fma_exp``: every ``fma_exp``-th group of 8 rows takes its exponentials on the FMA
+      pipes, :func:`_pool`, 0: none).
+    * ``lse_launch``: the QK-only LSE pass's (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, as
+      :func:`prefill_lse` takes them; an assertion when ``lse`` is given).
+    * ``scores_only``: score every chunk but find no top keys (the indices stay -1): the benchmark's breakdown."""
     assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
@@ -592,7 +620,7 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     ks, host_start, q_offset = _geometry(q, k, step, kv_start, q_offset)
     if lse is not None:
         assert lse.shape == (B, HQ, L) and lse.dtype == torch.float32 and lse.is_contiguous()
-        assert not lse_cfg, f"keywords of the LSE pass {sorted(lse_cfg)}, but the LSE is given"
+        assert lse_launch is None, "a launch of the LSE pass, but the LSE is given"
     n_t = q_offset + L - host_start
     first_t, count_t = budget.tiles(n_t, L)
     R = int(count_t.max())
@@ -603,9 +631,9 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     if K == 0:
         return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
-               block_n=block_n, num_warps=num_warps, num_stages=num_stages, tile_rows=tile_rows,
-               fma_exp=score_fma_exp(D) if fma_exp is None else fma_exp, scores_only=_scores_only)
-    g = B if lse is not None else _lse_group(B, HQ, L, max_chunk_bytes)
+               scoring=scoring or Launch(), scores_only=scores_only)
+    lse_cfg = lse_launch.set_fields() if lse_launch is not None else {}
+    g = B if lse is not None else prefill_chunks.lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
         if lse is None:
@@ -619,69 +647,31 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
 
 
-def _lse_group(B: int, HQ: int, L: int, max_chunk_bytes: int) -> int:
-    """Sequences whose LSE a selection makes at once: as many as fit in a quarter of the scratch bound (a Llama-8B
-    sequence of 128K tokens takes 16 MB, the quarter of the default 64 MB), at least one."""
-    return max(1, min(B, (max_chunk_bytes // 4) // (4 * HQ * L)))
-
-
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, depth, block_n, num_warps, num_stages, tile_rows, fma_exp, scores_only):
+                  T, max_chunk_bytes, method, depth, scoring, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
-    ``indices`` (its slice of the selection): chunks of tiles, each scored into a buffer whose top keys are found
-    per row. ``fixed``: bytes of the bound already taken (the group's LSE when made for it)."""
+    ``indices`` (its slice of the selection): chunks of tiles (:func:`kascade.ops.prefill_chunks.plan_chunks`), each
+    scored into a buffer whose top keys are found per row. ``fixed``: bytes of the bound already taken (the group's
+    LSE when made for it)."""
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     K = indices.shape[3]
-    t_first, count, budgets = first_t.tolist(), count_t.tolist(), budgets_host.tolist()
+    count = count_t.tolist()
     R = max(count)  # the group's rows (the batch's other sequences may have more)
     if R == 0:
         return
     # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
     # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
-    direct = method == "radix" and depth is None
-    fixed += 16 * B * H * R if direct else 0
-    chunk_bytes = max(max_chunk_bytes - int(max_chunk_bytes * ALLOCATOR_RESERVE) - fixed, max_chunk_bytes // 4)
+    direct = prefill_chunks.is_direct(method, depth is not None)
+    chunks = prefill_chunks.plan_chunks(heads=H, tile=T, first_tiles=first_t.tolist(), rows=count,
+                                        budgets=budgets_host.tolist(), max_chunk_bytes=max_chunk_bytes, fixed=fixed,
+                                        method=method, ranked=depth is not None, hist_bins=topk.NHIST,
+                                        keys_per_program=topk.TOPK_LAUNCH["prefill"].keys_per_program)
     f32, _ = flags(q)
-    M, NSUB, MR = _score_rows(G, T, tile_rows)
-    bn, nw, ns = _score_config(D, NSUB)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    M, NSUB, MR = _score_rows(G, T, scoring.block_m)
+    launch = replace(_launch("score_reloaded" if NSUB > 1 else "score", D), **scoring.set_fields())
+    bn = launch.block_n
     sms = num_sms(dev)
-
-    def width(r1):  # keys before the last tile of rows [.., r1): the chunk's buffer row length
-        w = max(((t_first[b] + min(r1, count[b]) - 1) * T if count[b] > 0 else 0) for b in range(B))
-        return max(4, -(-w // 4) * 4)
-
-    # A row's budget never decreases along the rows (Budget.prefill_tile is non-decreasing in the tile's start),
-    # so the largest budget of rows [r0, r1) is that of the last real row: O(B) per query, where slicing the
-    # lists cost O(B * rows) and, with ~2,000 chunks of a B=8, 128K prefill, seconds per anchor on the host.
-    assert all(x[r] <= x[r + 1] for x, c in zip(budgets, count) for r in range(c - 1)), "budgets must not decrease"
-
-    def row_bytes(w, kc):  # a buffer row and its top-k temporaries
-        if method == "radix":  # histograms, per-chunk counts, the bin-search state; without `direct` the int64
-            # result (+ values and order when ranked) and the write-back (top >= 0, top + start, the where)
-            return (4 * w + 4 * topk.NHIST + 8 * cdiv(w, topk.SELECT_CHUNK) + 32
-                    + (0 if direct else (32 if depth else 8) * kc + 17 * kc))
-        return 4 * w + 40 * kc  # torch.topk: values, indices, a sorted copy
-
-    def kmax(r0, r1):
-        return max((x[min(r1, c) - 1] if min(r1, c) > r0 else 0) for x, c in zip(budgets, count))
-
-    chunks = []  # (r0, r1, W, kc): the largest chunks whose buffer plus top-k temporaries fit the bound
-    r0 = 0
-    while r0 < R:
-        C = 1
-        lo_c, hi_c = 1, R - r0
-        while lo_c <= hi_c:
-            mid = (lo_c + hi_c) // 2
-            kc = kmax(r0, r0 + mid)
-            need = B * H * mid * row_bytes(width(r0 + mid), kc)
-            if need <= chunk_bytes:
-                C, lo_c = mid, mid + 1
-            else:
-                hi_c = mid - 1
-        chunks.append((r0, r0 + C, width(r0 + C), kmax(r0, r0 + C)))
-        r0 += C
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
         full = torch.zeros(B, H, R, 4, dtype=torch.int32)
@@ -707,9 +697,9 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, C, W, per, scale * LOG2E,
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, POLY=fma_exp, num_warps=nw, num_stages=ns,
+                ZERO_HIST=direct, POLY=launch.fma_exp, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )
-            if scores_only:  # (the benchmark's breakdown: the scoring kernels alone)
+            if scores_only:  # the benchmark's breakdown: the scoring kernels alone
                 pass
             elif direct:
                 topk.rows_into(buf.view(B * H * C, W), meta_all[m0:m0 + B * H * C], hist, kc,
@@ -731,10 +721,11 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
-    are in rank order: the order does not matter). ``prefetch`` (default: per head dim, :func:`_sparse_config`): load
-    each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per thread that ptxas may use (more
-    programs per SM, at the risk of spills; default: :func:`_sparse_config`'s, and none with a launch of one's
-    own). ``-> [B, HQ, L, D]``."""
+    are in rank order: the order does not matter). The launch (``block_n``, ``block_m``: rows a program, by default
+    a tile's G*T up to 128; ``num_warps``, ``num_stages``) defaults to :data:`LAUNCH`'s per head dim; ``prefetch``
+    (default: the table's): load each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per
+    thread that ptxas may use (more programs per SM, at the risk of spills; default: the table's, and none with a
+    launch of one's own). ``-> [B, HQ, L, D]``."""
     B, HQ, H, G, L, D = _heads(q, k)
     T = selection.tile
     dev = q.device
@@ -747,12 +738,11 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
     f32, rne = flags(q)
     M, NRB = _tile_rows(G, T, block_m)
-    bn, nw, ns, ahead, regs = _sparse_config(D)
-    if block_n or num_warps or num_stages:  # a launch of one's own: no register bound unless asked for
-        regs = None
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    cfg = _launch("sparse", D)
+    regs = None if block_n or num_warps or num_stages else cfg.maxnreg  # a launch of one's own: no register bound
+    bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     maxnreg = maxnreg or regs
-    ahead = ahead if prefetch is None else prefetch
+    ahead = cfg.prefetch if prefetch is None else prefetch
     out = torch.empty_like(q) if out is None else out
     maxb = max(1, next_power_of_2(cdiv(max(KI, 1), bn)))
     if counts is not None:

@@ -18,6 +18,8 @@ Kernels and launchers only: they assert, they do not validate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +34,8 @@ from .common import cdiv, next_power_of_2
 # non-empty bin, not one per key. Two passes then refine 12 and 11 - FIRST_BITS bits of the mantissa among the keys
 # sharing the prefix (one atomic per such key: the finer the first histogram, the fewer). When the k-th key falls
 # outside the window (a rare, extremely peaked row, or no bound given) a fallback path radixes the whole pattern
-# instead (12 + 12 + 7 bits, one atomic per matching key); a third refining pass does nothing otherwise. H200,
-# B=32, N=128K: the first histogram (exponents only) costs 24 us this way, 451 us with one atomic per key of a
-# 12-bit histogram; slower still were sorting each chunk's bins, warp-aggregated atomics (match.any) and
-# tl.histogram with 4096 bins (docs/design/kernels.md).
+# instead (12 + 12 + 7 bits, one atomic per matching key); a third refining pass does nothing otherwise. The
+# histograms tried against this one, and what each cost: docs/design/kernels.md.
 FIRST_BITS = 2
 FIRST_BINS = 64 << FIRST_BITS
 # Histogram bins per row, as the kernels lay them out: the first histogram's, three refining histograms of 4096, then
@@ -52,8 +52,25 @@ _NB = tl.constexpr(FIRST_BINS)
 _TK = tl.constexpr(TICKETS)
 _HOT = tl.constexpr(HOT)
 _LAST = tl.constexpr(1 << (11 - FIRST_BITS))  # bins of the common path's last refining histogram
-# Keys per program in the selection passes.
-SELECT_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class SelectLaunch:
+    """The selection passes' launch (Triton's default warps and stages: 4, 3)."""
+
+    keys_per_program: int  # every pass of a row takes the same chunks of keys (the threshold's counts feed the write)
+    why: str = field(default="", compare=False, repr=False)
+
+
+# The launch of the selection passes (the first histogram, with decode's pooling; the refining, threshold and write
+# passes), for decode's rows (a (sequence, KV head) each, :func:`select_rows`) and prefill's (a tile and KV head
+# each, :func:`rows_into`); a row shorter than a chunk takes one program of the next power of two >= its length.
+TOPK_LAUNCH = {
+    "decode": SelectLaunch(2048, why="fastest of 1,024-8,192 in an H200 sweep of three Llama shapes (2,946 us in all; "
+                                     "3,318 at 4,096), with a 4,096-bin tl.histogram first pass; not swept since"),
+    "prefill": SelectLaunch(2048, why="H200 sweep at 32K, the selection given the LSE: 13.58 ms; 4,096 13.71, 8,192 "
+                                      "16.20 (Llama shapes); the default model's 4.41 against 5.58 at 8,192"),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -331,7 +348,7 @@ def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=Non
     dev = Sc.device
     sc_row = Sc.shape[-1]
     KMAX = meta.k_max
-    ch = chunk or min(SELECT_CHUNK, next_power_of_2(meta.n_max))
+    ch = chunk or min(TOPK_LAUNCH["decode"].keys_per_program, next_power_of_2(meta.n_max))
     C = cdiv(meta.n_max, ch)
     rows = B * H
     Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
@@ -377,7 +394,7 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
     assert hist.shape == (R, NHIST) and hist.dtype == torch.int32 and hist.is_contiguous()
     assert out.dim() == 3 and out.stride(-1) == 1 and out.shape[0] * out_rows >= R and out.shape[-1] >= kc
-    ch = chunk or min(SELECT_CHUNK, next_power_of_2(W))
+    ch = chunk or min(TOPK_LAUNCH["prefill"].keys_per_program, next_power_of_2(W))
     C = cdiv(W, ch)
     bound = float(mass or 0.0)
     State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
