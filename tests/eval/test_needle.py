@@ -45,8 +45,7 @@ def _needle_sentences(task, sample):
     """The needle sentences of a sample, in the order they stand in the prompt."""
     pattern = {"needle_passkey": r"The secret passphrase of the \w+ is [^\n]+?\.",
                "needle_fact": r"The home city of \w+ is \w+\.",
-               "needle_multikey": r"The secret passphrase of the \w+ is [^\n]+?\.",
-               "needle_variable": r"The secret number of \w+ is [^\n]+?\."}[task]
+               "needle_multikey": r"The home city of \w+ is \w+\."}[task]
     return re.findall(r"\n\n(" + pattern + r")\n\n", sample.prompt)
 
 
@@ -96,9 +95,6 @@ def test_needles_sit_at_their_documented_depths(tok, task):
         if task == "needle_multikey":  # the asked needle's depth is the sample's; the other lies half a haystack away
             assert abs(s.meta["depth"] - base) <= needle.JITTER
             assert s.meta["depth"] in depths and abs(abs(depths[1] - depths[0]) - 0.5) < 1e-9
-        elif task == "needle_variable":  # the assignment, then its copy a quarter of the haystack later
-            assert s.meta["depth"] == depths[0] and abs(depths[0] - min(base, 0.75)) <= needle.JITTER
-            assert depths[1] - depths[0] == pytest.approx(0.25)
         else:
             assert abs(s.meta["depth"] - base) <= needle.JITTER and depths == [s.meta["depth"]]
         # where the needles stand: the share of the haystack before each
@@ -117,8 +113,9 @@ def test_needles_sit_at_their_documented_depths(tok, task):
     assert all(0 <= d <= 1 for d in spread) and spread == sorted(spread)
 
 
-def test_a_distractor_in_the_answer_scores_zero(tok):
-    s = needle.generate("needle_multikey", tok, 600, seed=0, index=0)
+@pytest.mark.parametrize("form", ["city", "digits5"])
+def test_a_distractor_in_the_answer_scores_zero(tok, form):
+    s = needle.generate("needle_multikey", tok, 600, seed=0, index=0, form=form)
     (other,) = s.meta["distractors"]
     assert other != s.answers[0] and other in s.prompt
     assert needle.score(s, s.answers[0]) == 1.0
@@ -137,6 +134,8 @@ def test_values_and_keys_do_not_occur_in_the_corpus():
 def test_unknown_tasks_and_lengths_without_room_are_refused(tok):
     with pytest.raises(ValueError, match="unknown needle task 'needle_nope'"):
         needle.generate("needle_nope", tok, 600, 0, 0)
+    with pytest.raises(ValueError, match="needle_fact has no form 'digits5'; choose from city, pet, number"):
+        needle.generate("needle_fact", tok, 600, 0, 0, form="digits5")
     with pytest.raises(ValueError, match="no room for a haystack"):
         needle.generate("needle_passkey", tok, 120, 0, 0)
 

@@ -42,10 +42,10 @@ def add(sub) -> None:
         "on your own text with --data; score = agreement) and RULER-style generated tasks (needle in a haystack: "
         "single number / word, multikey, multivalue, multiquery; variable tracking; common and frequent words "
         "extraction; score = RULER string match; small models fail them even densely), the needle tasks in "
-        "kascade demo's chat format, which small models answer densely (needle_passkey: a five-digit passphrase; "
-        "needle_fact: a person's home city; needle_multikey: two passphrases, one asked, the other's value in the "
-        "answer scores 0; needle_variable: a number copied from one name to another, the second name asked; sample i's "
-        "needle at depth (i mod 5) / 4 of the haystack, jittered; score = the value found in the answer), plus "
+        "kascade demo's chat format, which the default model answers densely at 2K and 4K tokens (needle_passkey: "
+        "a five-digit passphrase; needle_fact: a person's home city; needle_multikey: two people's home cities, one "
+        "asked, the other's in the answer scores 0; sample i's needle at depth (i mod 5) / 4 of the haystack, "
+        "jittered; haystacks from pydoc_data's evaluation split; score = the value found in the answer), plus "
         "LongBench-format files (--longbench). Every score is reported with its 95% confidence interval (Wilson for "
         "pass / fail scores, the normal approximation for fractional ones) and dense's score beside every strategy's. "
         "Strategies: dense; "
@@ -69,7 +69,7 @@ def add(sub) -> None:
                    f"long, needle prompts (chat-formatted) at most this long (at least {MIN_RULER_LENGTH}) (default: 2048)")
     e.add_argument("--samples", type=positive(), default=None,
                    help="samples per task and length: windows of the fidelity text, generated prompts (default: "
-                   f"{needle.SAMPLES} for the needle tasks, a 95%% interval of at most about +-0.1, "
+                   f"{needle.SAMPLES} for the needle tasks, a confidence interval at most about +-0.1 wide, "
                    f"{SAMPLES} for the others)")
     e.add_argument("--seed", type=integer(0), default=0,
                    help="which pydoc_data windows and generated samples (default: 0)")

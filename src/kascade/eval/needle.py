@@ -53,7 +53,7 @@ def _value(rng: random.Random, form: str) -> str:
     if form == "compound":  # the demo's value form: blue-harbor-7421
         a, b = rng.sample(WORDS, 2)
         return f"{a}-{b}-{rng.randint(1000, 9999)}"
-    raise ValueError(form)
+    raise AssertionError(form)  # generate checks the form
 
 
 def depth_of(index: int, rng: random.Random) -> float:
@@ -91,9 +91,12 @@ def _compose(tokenizer, length: int, hay_seed: int, needles: list[tuple[float, s
 
 def generate(task: str, tokenizer, length: int, seed: int, index: int, *, form: str | None = None) -> Sample:
     """Sample ``index`` of ``task`` for a chat-formatted prompt of at most ``length`` tokens; the same
-    ``(task, length, seed, index)`` always gives the same sample."""
+    ``(task, length, seed, index)`` always gives the same sample. ``form``: a value form other than the suite's
+    (``FORMS``), one of ``CANDIDATES[task]``, for trials of candidate forms (``benchmarks.needle_forms``)."""
     if task not in FORMS:
         raise ValueError(f"unknown needle task {task!r}; choose from {', '.join(TASKS)}")
+    if form is not None and form not in CANDIDATES[task]:
+        raise ValueError(f"{task} has no form {form!r}; choose from {', '.join(CANDIDATES[task])}")
     rng = random.Random(f"{task}/{length}/{seed}/{index}")
     hay_seed = rng.randint(0, 10**6)
     d = depth_of(index, rng)
@@ -120,32 +123,34 @@ def generate(task: str, tokenizer, length: int, seed: int, index: int, *, form: 
             question = f"What is the locker number of {name}? Answer with the number only."
         answers = [v]
     elif task == "needle_multikey":
-        asked, other = rng.sample(PLACES, 2)
-        v, w = _value(rng, form), _value(rng, form)
-        while w == v:
-            w = _value(rng, form)
+        if form == "city":  # two people's home cities
+            asked, other = rng.sample(NAMES, 2)
+            v, w = rng.sample(CITIES, 2)
+            sentence = "The home city of {} is {}."
+            question = f"What is the home city of {asked}? Answer with the city only."
+        else:  # two places' passphrases
+            asked, other = rng.sample(PLACES, 2)
+            v, w = _value(rng, form), _value(rng, form)
+            while w == v:
+                w = _value(rng, form)
+            sentence = "The secret passphrase of the {} is {}."
+            question = f"What is the secret passphrase of the {asked}? Answer with the passphrase only."
         # the asked needle at the sample's depth, the other half a haystack away
-        needles = sorted([(d, f"The secret passphrase of the {asked} is {v}."),
-                          ((d + 0.5) % 1.0, f"The secret passphrase of the {other} is {w}.")])
-        question = f"What is the secret passphrase of the {asked}? Answer with the passphrase only."
+        needles = sorted([(d, sentence.format(asked, v)), ((d + 0.5) % 1.0, sentence.format(other, w))])
         answers = [v]
         meta["distractors"] = [w]
-    elif task == "needle_variable":
-        x, y = rng.sample(NAMES, 2)
-        v = _value(rng, form)
-        d = min(d, 0.75)  # the assignment, then its copy a quarter of the haystack later
-        needles = [(d, f"The secret number of {x} is {v}."),
-                   (d + 0.25, f"The secret number of {y} is the same as the secret number of {x}.")]
-        question = f"What is the secret number of {y}? Answer with the number only."
-        answers = [v]
     meta.update(depth=d, depths=[p for p, _ in needles])
     content = _compose(tokenizer, length, hay_seed, needles, question)
     return Sample(task=task, prompt=content, answers=answers, max_new_tokens=MAX_NEW_TOKENS, meta=meta)
 
 
-FORMS = {"needle_passkey": "digits5", "needle_fact": "city", "needle_multikey": "digits5",
-         "needle_variable": "digits5"}
+# each task's form in the suite: those the default model answered densely in >= 80% of a trial's samples
+# (benchmarks/needle_forms.py; docs/calibration.md has the figures)
+FORMS = {"needle_passkey": "digits5", "needle_fact": "city", "needle_multikey": "city"}
 TASKS = tuple(FORMS)
+_VALUES = ("digits5", "digits7", "word", "compound")
+CANDIDATES = {"needle_passkey": _VALUES, "needle_fact": ("city", "pet", "number"),
+              "needle_multikey": ("city", *_VALUES)}
 
 
 def score(sample: Sample, prediction: str) -> float:
