@@ -66,7 +66,8 @@ def add(sub) -> None:
                    f"--data; none with --longbench); from: {', '.join(TASKS)}")
     e.add_argument("--lengths", type=positive(), nargs="+", default=[2048],
                    help="prompt lengths in tokens: fidelity windows are exactly this long, RULER prompts about this "
-                   f"long, needle prompts (chat-formatted) at most this long (at least {MIN_RULER_LENGTH}) (default: 2048)")
+                   f"long, needle prompts (chat-formatted) at most this long (at least {MIN_RULER_LENGTH}) "
+                   "(default: 2048)")
     e.add_argument("--samples", type=positive(), default=None,
                    help="samples per task and length: windows of the fidelity text, generated prompts (default: "
                    f"{needle.SAMPLES} for the needle tasks, a confidence interval at most about +-0.1 wide, "

@@ -1,13 +1,13 @@
-"""Needle retrieval in `kascade demo`'s format: tasks small models answer densely, so a sparse strategy's score
-can be read against dense's.
+"""Needle retrieval in `kascade demo`'s format: tasks the default model (135M) answers densely, so a sparse strategy's
+score can be read against dense's.
 
 Every prompt is one chat message (the tokenizer's chat template, generation prompt added, as the demo and every
-generated task of `kascade eval` are): a haystack of real English from the evaluation split of
-``pydoc_data.topics`` (:func:`kascade.text.windows`, never the calibration split), cut at a needle's depth, the
-needle sentence set apart by blank lines, and a question in the demo's form ("What is ...? Answer with the ...
-only."). A sample is fixed by ``(task, length, seed, index)``; its needles' depths follow the index: sample ``i``'s
-first needle sits at depth ``(i mod 5) / 4`` of the haystack (0: its start, 1: its end), moved by a seeded jitter of
-at most ``JITTER`` and kept in [0, 1], so any run of 5 consecutive samples covers the haystack's start, quarters,
+generated task of `kascade eval` are): a haystack of real English from the evaluation split of ``pydoc_data.topics``
+(:func:`kascade.text.windows`, never the calibration split), cut at a needle's depth, the needle sentence set apart
+by blank lines, and a question in the demo's form ("What is ...? Answer with the ... only."). A sample is fixed by
+``(task, length, seed, index)``; its needles' depths follow the index: sample ``i``'s needle (the asked one, where
+there are two) sits at depth ``(i mod 5) / 4`` of the haystack (0: its start, 1: its end), moved by a seeded jitter
+of at most ``JITTER`` and kept in [0, 1], so any run of 5 consecutive samples covers the haystack's start, quarters,
 middle and end. The depths are in the sample's ``meta``.
 
 Scoring is RULER's ``string_match_all`` (the expected value contained in the answer, case-insensitively); a sample
@@ -22,7 +22,7 @@ import random
 from .. import text
 from .ruler import Sample, string_match_all
 
-DEPTHS = 5  # sample i's first needle at depth (i mod DEPTHS) / (DEPTHS - 1), jittered
+DEPTHS = 5  # sample i's needle at depth (i mod DEPTHS) / (DEPTHS - 1), jittered
 JITTER = 0.05
 MAX_NEW_TOKENS = 16
 SAMPLES = 100  # per length, by default: a pass rate's 95% interval is then at most about +-0.1 (Wilson, at 50%)
@@ -57,7 +57,7 @@ def _value(rng: random.Random, form: str) -> str:
 
 
 def depth_of(index: int, rng: random.Random) -> float:
-    """The first needle's depth for sample ``index`` (module docstring)."""
+    """The (asked) needle's depth for sample ``index`` (module docstring)."""
     base = (index % DEPTHS) / (DEPTHS - 1)
     return min(1.0, max(0.0, base + rng.uniform(-JITTER, JITTER)))
 
@@ -68,8 +68,8 @@ def _chat_len(tokenizer, content: str) -> int:
 
 
 def _compose(tokenizer, length: int, hay_seed: int, needles: list[tuple[float, str]], question: str):
-    """``(content, haystack start token)``: the needles (``(depth, sentence)``) set into a haystack of the
-    evaluation split so that the chat-formatted prompt has at most ``length`` tokens."""
+    """The message: the needles (``(depth, sentence)``, in depth order) set into a haystack of the evaluation split,
+    then the question, so that the chat-formatted prompt has at most ``length`` tokens."""
     frame = "".join("\n\n" + n + "\n\n" for _, n in needles) + "\n\n" + question
     room = length - _chat_len(tokenizer, frame)
     for _ in range(4):  # decoding and re-encoding a cut haystack may change its token count a little
