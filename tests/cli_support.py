@@ -18,6 +18,34 @@ class CharTokenizer:
         return SimpleNamespace(input_ids=[3 + ord(c) % 94 for c in text])
 
 
+class ChatCharTokenizer(CharTokenizer):
+    """A CharTokenizer with a chat template (``<user>`` ... ``<assistant>``; each call recorded in ``chats``) and a
+    decoder, for the generated tasks."""
+
+    def __init__(self):
+        self.chats = []
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return "".join(chr(32 + (i - 3) % 94) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False,
+                            return_tensors=None):
+        import torch
+
+        self.chats.append(dict(messages=messages, add_generation_prompt=add_generation_prompt))
+        s = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + ("<assistant>\n" if add_generation_prompt
+                                                                              else "")
+        if not tokenize:
+            return s
+        ids = self(s).input_ids
+        if return_tensors == "pt":
+            ids = torch.tensor([ids])
+        if return_dict:
+            return dict(input_ids=ids, attention_mask=torch.ones_like(ids) if return_tensors else [1] * len(ids))
+        return ids
+
+
 def texts_file(path, count, chars=300):
     """A JSONL file of ``count`` distinct random texts."""
     path.write_text("".join(json.dumps({"text": "".join(random.Random(i).choices(string.ascii_letters + " ", k=chars))})
@@ -25,13 +53,13 @@ def texts_file(path, count, chars=300):
     return path
 
 
-def tiny_loader(model) -> SimpleNamespace:
+def tiny_loader(model, tokenizer=None) -> SimpleNamespace:
     """``load`` stands in for ``kascade.models.load_model``: like it, it calls ``check(config, tokenizer)`` before it
-    'reads the weights', which ``loads`` counts."""
+    'reads the weights', which ``loads`` counts. The tokenizer: ``tokenizer``, else a fresh CharTokenizer per load."""
     loads = []
 
     def load(path=None, *, device="cpu", dtype=None, check=None):
-        tok = CharTokenizer()
+        tok = tokenizer if tokenizer is not None else CharTokenizer()
         if check is not None:
             check(model.config, tok)
         loads.append(path)

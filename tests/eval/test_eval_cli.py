@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kascade.models
-from cli_support import CharTokenizer, one_line_error, texts_file, tiny_loader
+from cli_support import ChatCharTokenizer, CharTokenizer, one_line_error, texts_file, tiny_loader
 from conftest import tiny_model
 from kascade import KascadePlan, ModelFingerprint
 from kascade.cli import build_parser, main
@@ -311,3 +311,68 @@ def test_a_file_that_is_not_utf8_is_named_in_the_error(tmp_path, tiny, capsys, f
     bad.write_bytes(b'\xff\xfe{"context": "x"}\n')
     err = _error("eval", [flag, str(bad), "--out", str(tmp_path / "e")], capsys)
     assert f"{bad}" in err and "is not UTF-8 text" in err and tiny.loads == []
+
+
+# -- the needle tasks on the tiny model -----------------------------------------------------------------------------
+
+@pytest.fixture
+def chat_tiny(monkeypatch):
+    """The tiny random Llama with a tokenizer that has a chat template (recording its calls) and a decoder."""
+    tiny = tiny_loader(tiny_model("llama"), tokenizer=ChatCharTokenizer())
+    monkeypatch.setattr(kascade.models, "load_model", tiny.load)
+    return tiny
+
+
+def test_needle_passkey_end_to_end_on_the_tiny_model(tmp_path, chat_tiny, capsys):
+    from kascade.eval import needle
+
+    out = tmp_path / "ev"
+    argv = ["eval", "--strategies", "dense,streamingllm", "--tasks", "needle_passkey", "--lengths", "300",
+            "--samples", "3", "--k-min", "8", "--ratio", "0.25", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = _rows(out)
+    assert [(r["strategy"], r["sample"]) for r in rows] == [(s, i) for i in range(3) for s in ("dense", "streamingllm")]
+    tok = chat_tiny.load()[1]
+    for r in rows:
+        sample = needle.generate("needle_passkey", tok, 300, 0, r["sample"])
+        assert r["answers"] == sample.answers and r["depth"] == sample.meta["depth"]
+        assert r["score"] == needle.score(sample, r["prediction"])
+        assert 290 <= r["prompt_tokens"] <= 300  # the chat-formatted prompt, at most --lengths
+    # the model saw the prompt through the chat template, generation prompt added (the demo's format)
+    asked = [c for c in tok.chats if c["add_generation_prompt"] and "secret passphrase of the archive?" in
+             c["messages"][0]["content"]]
+    assert asked and all(c["messages"][0]["role"] == "user" for c in asked)
+    assert all(r["attended_fraction"] < 1 for r in rows if r["strategy"] == "streamingllm")
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    sparse = next(s for s in summary if s["strategy"] == "streamingllm")
+    dense = next(s for s in summary if s["strategy"] == "dense")
+    assert sparse["dense_score"] == dense["score"] and sparse["ci_method"] == "wilson"
+    assert sparse["ci_low"] <= sparse["score"] <= sparse["ci_high"]
+    assert "| task | length | samples | dense | streamingllm |" in printed
+    assert re.search(r"\| needle_passkey \| 300 \| 3 \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \| \d\.\d{3} \[", printed)
+
+
+def test_the_needle_tasks_run_their_default_sample_count_and_resume(tmp_path, chat_tiny, monkeypatch, capsys):
+    """Without --samples a needle task runs needle.SAMPLES samples per length (the other tasks keep theirs); the
+    answers here are stubbed (the dense answer is right, the sparse one right on even samples only)."""
+    from kascade.eval import needle, runner
+
+    answered = []
+
+    def stub(self, name, sample, ids=None):
+        answered.append((name, sample.meta["index"]))
+        right = name == "dense" or sample.meta["index"] % 2 == 0
+        return (sample.answers[0] if right else "no idea"), 1.0, {}, 0.0, 300
+
+    monkeypatch.setattr(runner.Session, "generate", stub)
+    out = tmp_path / "ev"
+    argv = ["eval", "--strategies", "dense,streamingllm", "--tasks", "needle_passkey,fidelity", "--lengths", "300",
+            "--k-min", "8", "--ratio", "0.25", "--out", str(out)]
+    assert main(argv) == 0
+    rows = _rows(out)
+    assert len([r for r in rows if r["task"] == "needle_passkey"]) == 2 * needle.SAMPLES == 200
+    assert len([r for r in rows if r["task"] == "fidelity"]) == 2 * runner.SAMPLES
+    md = capsys.readouterr().out
+    assert "| needle_passkey | 300 | 100 | 1.000 [0.963, 1.000] | 0.500 [0.404, 0.596] |" in md
+    assert main(argv) == 0 and len(_rows(out)) == 204 and len(answered) == 200  # resumed: nothing ran again

@@ -30,7 +30,8 @@ def run(args) -> int:
 def add(sub) -> None:
     from ..plan import SHIPPED_VARIANTS
     from ..eval.results import ROWS
-    from ..eval.runner import MIN_RULER_LENGTH, TASKS
+    from ..eval import needle
+    from ..eval.runner import MIN_RULER_LENGTH, SAMPLES, TASKS
     from ..eval.strategies import STRATEGIES
 
     e = sub.add_parser(
@@ -40,7 +41,14 @@ def add(sub) -> None:
         "'fidelity' (teacher-forced top-1 agreement, KL and NLL against dense on held-out pydoc_data windows, or "
         "on your own text with --data; score = agreement) and RULER-style generated tasks (needle in a haystack: "
         "single number / word, multikey, multivalue, multiquery; variable tracking; common and frequent words "
-        "extraction; score = RULER string match), plus LongBench-format files (--longbench). Strategies: dense; "
+        "extraction; score = RULER string match; small models fail them even densely), the needle tasks in "
+        "kascade demo's chat format, which the default model answers densely at 2K and 4K tokens (needle_passkey: "
+        "a five-digit passphrase; needle_fact: a person's home city; needle_multikey: two people's home cities, one "
+        "asked, the other's in the answer scores 0; sample i's needle at depth (i mod 5) / 4 of the haystack, "
+        "jittered; haystacks from pydoc_data's evaluation split; score = the value found in the answer), plus "
+        "LongBench-format files (--longbench). Every score is reported with its 95% confidence interval (Wilson for "
+        "pass / fail scores, the normal approximation for fractional ones) and dense's score beside every strategy's. "
+        "Strategies: dense; "
         "oracle (every layer selects its own top-k); kascade (the calibrated plan); kascade-faithful (the paper's "
         "method as shipped for the model); kascade-no-headmap; kascade-shared (one index set for all heads); "
         "streamingllm (4 sinks + recent window); quest (16-key pages by query-aware min/max bounds); omnikv (one "
@@ -58,10 +66,12 @@ def add(sub) -> None:
                    f"--data; none with --longbench); from: {', '.join(TASKS)}")
     e.add_argument("--lengths", type=positive(), nargs="+", default=[2048],
                    help="prompt lengths in tokens: fidelity windows are exactly this long, RULER prompts about this "
-                   f"long (at least {MIN_RULER_LENGTH}) (default: 2048)")
-    e.add_argument("--samples", type=positive(), default=2,
-                   help="samples per task and length: windows of the fidelity text, generated RULER prompts "
-                   "(default: 2)")
+                   f"long, needle prompts (chat-formatted) at most this long (at least {MIN_RULER_LENGTH}) "
+                   "(default: 2048)")
+    e.add_argument("--samples", type=positive(), default=None,
+                   help="samples per task and length: windows of the fidelity text, generated prompts (default: "
+                   f"{needle.SAMPLES} for the needle tasks, a confidence interval at most about +-0.1 wide, "
+                   f"{SAMPLES} for the others)")
     e.add_argument("--seed", type=integer(0), default=0,
                    help="which pydoc_data windows and generated samples (default: 0)")
     e.add_argument("--plan", default=None, type=plan_arg, metavar="FILE|NAME",

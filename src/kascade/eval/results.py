@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from ..plots import pyplot
 
 FIDELITY = "fidelity"
+DENSE = "dense"
 ROWS, RUN = "rows.jsonl", "run.json"
 # the settings that define a folder's rows (Settings.defining), as the command names them; files count by content
 FLAGS = dict(model="--model", dtype="--device (dtype)", seed="--seed", samples="--samples", plan="--plan",
@@ -117,17 +119,64 @@ def _write_text(path: Path, content: str) -> None:
     os.replace(tmp, path)
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95% intervals
+
+
+def wilson(passed: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``passed / n`` (95% by default): unlike the normal approximation
+    it stays inside [0, 1] and is not empty at 0 / n or n / n."""
+    if n < 1 or not 0 <= passed <= n:
+        raise ValueError(f"a proportion needs 0 <= passed <= n and n >= 1, got {passed} / {n}")
+    p, z2 = passed / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # exactly 0 at 0 / n and 1 at n / n (where rounding would leave 1e-17 or 0.9999999999999999)
+    return (0.0 if passed == 0 else centre - half), (1.0 if passed == n else centre + half)
+
+
+def normal_interval(scores: list[float], z: float = Z95) -> tuple[float, float] | None:
+    """The normal-approximation interval of a mean, ``mean +- z s / sqrt(n)`` (``s`` the sample standard deviation),
+    clipped to [0, 1] (every score lies there); None for a single score (no spread to estimate)."""
+    n = len(scores)
+    if n < 2:
+        return None
+    mean = sum(scores) / n
+    s = math.sqrt(sum((x - mean) ** 2 for x in scores) / (n - 1))
+    return max(0.0, mean - z * s / math.sqrt(n)), min(1.0, mean + z * s / math.sqrt(n))
+
+
+def interval(scores: list[float]) -> dict:
+    """The 95% confidence interval of a mean score: ``{ci_low, ci_high, ci_method}``. Scores that are all 0 or 1 (a
+    pass rate) get the Wilson interval (``"wilson"``); fractional ones (string match over several answers, the
+    fidelity task's agreement, LongBench's metrics) the normal approximation (``"normal"``; None bounds for one
+    sample)."""
+    if all(x in (0, 1) for x in scores):
+        lo, hi = wilson(int(sum(scores)), len(scores))
+        return dict(ci_low=lo, ci_high=hi, ci_method="wilson")
+    b = normal_interval(scores)
+    return dict(ci_low=b and b[0], ci_high=b and b[1], ci_method="normal")
+
+
 def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (strategy, task, length): the mean score and its 95% interval (:func:`interval`), the attended
+    fraction, and for every strategy but dense dense's own score and interval on the same task and length
+    (``dense_score``, ``dense_ci_low``, ``dense_ci_high``; None where dense did not run)."""
     groups = defaultdict(list)
     for r in rows:
         groups[(r["strategy"], r["task"], r["length"])].append(r)
     out = []
     for (s, t, L), rs in groups.items():
-        row = dict(strategy=s, task=t, length=L, samples=len(rs), score=sum(r["score"] for r in rs) / len(rs),
+        scores = [r["score"] for r in rs]
+        row = dict(strategy=s, task=t, length=L, samples=len(rs), score=sum(scores) / len(rs), **interval(scores),
                    attended_fraction=sum(r["attended_fraction"] for r in rs) / len(rs))
         if t == FIDELITY:
             row.update(kl=sum(r["kl"] for r in rs) / len(rs), nll=sum(r["nll"] for r in rs) / len(rs))
         out.append(row)
+    by = {(r["strategy"], r["task"], r["length"]): r for r in out}
+    for row in out:
+        if row["strategy"] != DENSE:
+            d = by.get((DENSE, row["task"], row["length"]), {})
+            row.update(dense_score=d.get("score"), dense_ci_low=d.get("ci_low"), dense_ci_high=d.get("ci_high"))
     return out
 
 
@@ -147,6 +196,31 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _with_interval(r: dict) -> str:
+    if r["ci_low"] is None:
+        return f"{r['score']:.3f} [n={r['samples']}]"
+    return f"{r['score']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+
+
+def interval_table(summary: list[dict]) -> str:
+    """Per task and length (rows), every strategy's mean score with its 95% interval (columns, dense first): each
+    strategy beside dense on the same samples."""
+    strategies = sorted(dict.fromkeys(r["strategy"] for r in summary), key=lambda s: s != DENSE)
+    cols = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
+    by = {(r["strategy"], r["task"], r["length"]): r for r in summary}
+    lines = ["| task | length | samples | " + " | ".join(strategies) + " |", "|---" * (len(strategies) + 3) + "|"]
+    for t, L in cols:
+        present = [by[(s, t, L)] for s in strategies if (s, t, L) in by]
+        n = sorted({r["samples"] for r in present})
+        cells = [_with_interval(by[(s, t, L)]) if (s, t, L) in by else "" for s in strategies]
+        lines.append(f"| {t} | {L} | {', '.join(map(str, n))} | " + " | ".join(cells) + " |")
+    methods = sorted({r["ci_method"] for r in summary})
+    said = dict(wilson="Wilson score interval (pass / fail scores)",
+                normal="normal approximation, mean +- 1.96 s / sqrt(n) clipped to [0, 1] (fractional scores)")
+    return ("\n".join(lines) + "\n\nScores are means with 95% confidence intervals: "
+            + "; ".join(said[m] for m in methods) + ".")
+
+
 def write(rows: list[dict], out: Path, header: str = "", chart: bool = True) -> dict:
     """results.json, results.csv and summary.md (and, with ``chart``, scores.png) of ``rows`` into ``out``; each file
     replaced whole, so an interrupted write leaves the previous version."""
@@ -162,7 +236,7 @@ def write(rows: list[dict], out: Path, header: str = "", chart: bool = True) -> 
         for r in rows:
             w.writerow({**r, "answers": " | ".join(r.get("answers", []))})
     os.replace(tmp, out / "results.csv")
-    md = (f"{header}\n\n" if header else "") + table(summ) + "\n"
+    md = (f"{header}\n\n" if header else "") + table(summ) + "\n\n" + interval_table(summ) + "\n"
     _write_text(out / "summary.md", md)
     files = [out / "results.json", out / "results.csv", out / "summary.md"]
     if chart:

@@ -27,13 +27,22 @@ from ..files import output_folder
 from ..integration.hf import enable
 from ..plan import SHIPPED_VARIANTS, ModelFingerprint, resolve_plan
 from ..text import load_texts
-from . import longbench, ruler
+from . import longbench, needle, ruler
 from .results import FIDELITY, Results, _digest
 from .strategies import STRATEGIES, available, make_strategy
 
-TASKS = (FIDELITY, *ruler.TASKS)
+TASKS = (FIDELITY, *ruler.TASKS, *needle.TASKS)
 MIN_FIDELITY_LENGTH = 2  # one scored position
 MIN_RULER_LENGTH = 256  # below it the instructions and needles alone overrun the length
+SAMPLES = 2  # samples per task and length without --samples; the needle tasks' own default is needle.SAMPLES
+
+
+def samples_of(task: str, samples: int | None) -> int:
+    """How many samples ``task`` runs per length: ``samples`` (--samples) where given, else the task's default
+    (``needle.SAMPLES`` for the needle tasks, enough for a narrow confidence interval; ``SAMPLES`` for the others)."""
+    if samples is not None:
+        return samples
+    return needle.SAMPLES if task in needle.TASKS else SAMPLES
 
 
 def _attended_fraction(runtime) -> tuple[float, dict[int, float]]:
@@ -110,7 +119,8 @@ def _job(sess, tok, task, L, i, *, strategies, samples, seed, lb, done, windows,
         names = [s for s in strategies if (s, task, L, i) not in done]
         if names:
             if L not in fid_windows:
-                fid_windows[L] = windows[L] if windows else text.windows(tok, "eval", L, samples, seed=seed)
+                fid_windows[L] = (windows[L] if windows
+                                  else text.windows(tok, "eval", L, samples_of(FIDELITY, samples), seed=seed))
             for name, r in sess.fidelity(fid_windows[L][i], names).items():
                 new.append(dict(strategy=name, task=task, length=L, sample=i, score=r["agreement"], **r))
         return new
@@ -121,25 +131,37 @@ def _job(sess, tok, task, L, i, *, strategies, samples, seed, lb, done, windows,
     else:
         if all((s, task, L, i) in done for s in strategies):
             return new
-        sample, ids, length = ruler.generate(task, tok, L, seed * 1000 + i), None, L
+        if task in needle.TASKS:
+            sample = needle.generate(task, tok, L, seed, i)
+        else:
+            sample = ruler.generate(task, tok, L, seed * 1000 + i)
+        ids, length = None, L
     for name in strategies:
         if (name, sample.task, length, i) in done:
             continue
         pred, frac, per_layer, secs, n_tok = sess.generate(name, sample, ids)
-        sc = (longbench.score(sample.meta["dataset"], pred, sample.answers) if task == "longbench"
-              else ruler.string_match_all(pred, sample.answers))
-        new.append(dict(strategy=name, task=sample.task, length=length, sample=i, score=sc, attended_fraction=frac,
-                        attended_per_layer=per_layer, prediction=pred, answers=sample.answers, prompt_tokens=n_tok,
-                        seconds=secs))
+        if task == "longbench":
+            sc = longbench.score(sample.meta["dataset"], pred, sample.answers)
+        elif task in needle.TASKS:
+            sc = needle.score(sample, pred)
+        else:
+            sc = ruler.string_match_all(pred, sample.answers)
+        row = dict(strategy=name, task=sample.task, length=length, sample=i, score=sc, attended_fraction=frac,
+                   attended_per_layer=per_layer, prediction=pred, answers=sample.answers, prompt_tokens=n_tok,
+                   seconds=secs)
+        if task in needle.TASKS:
+            row.update(depth=sample.meta["depth"], depths=sample.meta["depths"])
+        new.append(row)
     return new
 
 
 def run(model, tok, *, strategies, tasks, lengths, samples, seed=0, plan=None, budget=None, longbench_file=None,
         longbench_limit=None, omnikv_layer=2, progress=True, windows=None, results: "Results | None" = None
         ) -> list[dict]:
-    """All (strategy, task, length, sample) rows.
+    """All (strategy, task, length, sample) rows; ``samples`` per task and length (None: each task's default,
+    :func:`samples_of`).
 
-    ``windows`` (``{length: [1-D token tensors]}``, ``samples`` per length) are the fidelity task's text; default:
+    ``windows`` (``{length: [1-D token tensors]}``, the fidelity task's samples per length) are its text; default:
     windows of the evaluation split of pydoc_data.topics (``seed`` picks). With ``results``, the rows it holds are
     skipped, every new row is appended to it as soon as its sample is done and its summary files are rewritten;
     the rows returned are then all of its rows."""
@@ -149,7 +171,8 @@ def run(model, tok, *, strategies, tasks, lengths, samples, seed=0, plan=None, b
     sess = Session(model, tok, strategies, plan=plan, budget=budget, omnikv_layer=omnikv_layer)
     lb = longbench.load(longbench_file, limit=longbench_limit) if longbench_file else []
     done = results.done if results is not None else set()
-    jobs = [(t, L, i) for L in lengths for t in tasks for i in range(samples)] + [("longbench", None, i) for i in range(len(lb))]
+    jobs = ([(t, L, i) for L in lengths for t in tasks for i in range(samples_of(t, samples))]
+            + [("longbench", None, i) for i in range(len(lb))])
     fid_windows = {}
     rows = []
     with tqdm(jobs, desc="eval", unit="sample", disable=not progress) as bar:  # closed (its line ended) on Ctrl-C
@@ -175,7 +198,7 @@ class Settings:
     strategies: tuple[str, ...] | None = None  # None: every strategy that runs on the model
     tasks: tuple[str, ...] | None = None  # None: see ``tasks_to_run``
     lengths: tuple[int, ...] = (2048,)
-    samples: int = 2
+    samples: int | None = None  # None: each task's default (samples_of)
     seed: int = 0
     plan: str | Path | None = None  # the kascade strategies' plan: a JSON file or a shipped plan's name (None: the
     # model's shipped plan)
@@ -247,9 +270,11 @@ class Settings:
 
     def defining(self) -> dict:
         """The settings a row's values depend on (beyond its strategy, task, length and sample): a folder holds rows
-        of one such record (:class:`Results`). Files count by their content."""
+        of one such record (:class:`Results`). Files count by their content. The sample count is the fidelity task's
+        (its windows are spread over the text by their count; a generated sample depends on its index alone, so a
+        run with more samples only adds rows), the same without --samples as with --samples 2."""
         d = dict(model=str(Path(self.model).expanduser().resolve()) if self.model is not None else "default",
-                 dtype=str(self.dtype), seed=self.seed, samples=self.samples,
+                 dtype=str(self.dtype), seed=self.seed, samples=samples_of(FIDELITY, self.samples),
                  plan=self.plan if self.plan in SHIPPED_VARIANTS else _digest(self.plan), ratio=self.ratio, k_min=self.k_min,
                  omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
         if self.data is not None:
@@ -290,7 +315,8 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
     dev = torch.cuda.get_device_name(s.device) if s.device.startswith("cuda") else f"CPU ({platform.machine()})"
     header = (f"machine: {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
               f"model {s.model or 'SmolLM2-135M-Instruct (default)'}; seed {s.seed}; "
-              f"{s.samples} sample(s) per task and length" + (f"; fidelity on {s.data}" if s.data else ""))
+              "samples per length: " + ", ".join(f"{t} {samples_of(t, s.samples)}" for t in tasks)
+              + (f"; fidelity on {s.data}" if s.data else ""))
     results = Results(out, s.defining(), header)
     ready = []
 
@@ -309,7 +335,8 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
             make_strategy(name, shape, plan, omnikv_layer=s.omnikv_layer, budget=s.budget)
         windows = None
         if texts is not None:
-            windows = data_windows(tok, texts, s.lengths, s.samples, skip=s.skip_texts, source=str(s.data))
+            windows = data_windows(tok, texts, s.lengths, samples_of(FIDELITY, s.samples), skip=s.skip_texts,
+                                   source=str(s.data))
         if set(tasks) - ({FIDELITY} if texts is not None else set()):
             have = len(text.split_ids(tok, "eval"))
             if max(s.lengths) > have:
