@@ -168,10 +168,10 @@ class Attention:
         for a in [a for a in sels if plan.last_reader(a) < layer]:
             del sels[a]  # no later layer reads it: free it before this layer allocates its own
         if plan.is_anchor(layer):
-            depth = plan.depth(layer) if plan.ranked else None
+            rank_factor = plan.rank_factor(layer) if plan.ranked else None
             if layer == 0:
                 if self.selector is None:
-                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
+                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, rank_factor=rank_factor)
                 else:
                     out = ops.dense_attention(q, k, v, scale=scale, step=step)
                     sel = self.selector(q, k, scale=scale, step=step)
@@ -180,7 +180,7 @@ class Attention:
                     self._count(layer, None, step)
                 return out
             if self.selector is None:
-                sel = ops.select(q, k, scale=scale, step=step, depth=depth)
+                sel = ops.select(q, k, scale=scale, step=step, rank_factor=rank_factor)
             else:
                 sel = self.selector(q, k, scale=scale, step=step)
             sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel

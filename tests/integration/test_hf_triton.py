@@ -180,8 +180,8 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
     I = (0, 1, 2)
     # k_min 40 > tile: prefill rows keep min(s, 24) selected keys before scaling (with k_min = tile they keep none)
     plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=40, tile=16)
-    plan = plan.with_reuse(scale=(1.0, 1.0, 1.6, 1.0, 0.5))
-    assert plan.ranked and plan.depth(1) == 1.6
+    plan = plan.with_reuse(factor=(1.0, 1.0, 1.6, 1.0, 0.5))
+    assert plan.ranked and plan.rank_factor(1) == 1.6
     P = sized(90)
     ids = _ids(2, P, 4)
     mask = torch.ones_like(ids)
@@ -190,11 +190,11 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
         with kascade.enable(model, plan, backend="reference"):
             ref = model(ids, attention_mask=mask).logits
             ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-        depths = []
+        rank_factors = []
         from kascade.ops.triton import prefill
 
         orig = prefill.select_prefill
-        monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (depths.append(kw.get("depth")),
+        monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (rank_factors.append(kw.get("rank_factor")),
                                                                           orig(*a, **kw))[1])
         with kascade.enable(model, plan, backend="triton") as h:
             assert not h.runtime.host_geometry  # static-cache decode steps stay on the device
@@ -212,8 +212,8 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
             counted[backend] = dict(h.runtime.attended)
         torch.testing.assert_close(out[real := mask.bool()], ref[real], rtol=1e-4, atol=1e-4)
         assert counted["triton"] == counted["reference"] and counted["triton"][4][0] < counted["triton"][3][0] < counted["triton"][2][0]
-    # ranking depth per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
-    assert depths[:3] == [1.0, 1.6, 1.0]
+    # rank factor per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
+    assert rank_factors[:3] == [1.0, 1.6, 1.0]
     real = mask.bool()
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen) and torch.equal(static, ref_static)

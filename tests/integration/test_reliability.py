@@ -341,7 +341,7 @@ def test_training_and_gradients_are_refused_clearly():
 def test_a_tiny_per_layer_scale_still_attends_a_key():
     """round(0.01 * k) is 0: the layer must keep at least one key (a query without keys outputs zeros)."""
     model = tiny_model("llama")
-    plan = _plan(model, k_min=16).with_reuse(scale=(1.0, 0.01, 1.0, 1.0))
+    plan = _plan(model, k_min=16).with_reuse(factor=(1.0, 0.01, 1.0, 1.0))
     from transformers import DynamicCache
 
     with torch.no_grad(), kascade.enable(model, plan, account=True) as h:
