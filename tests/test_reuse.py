@@ -148,32 +148,30 @@ def test_layer_budget_moves_keys_between_layers_and_keeps_the_average():
     assert 0.98 * ref <= tot <= ref * 1.001
 
 
-def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful(forward_states):
+def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful(forwards):
     model = _model()
     base = _base(model)
     ids = _ids(200)
     plan = base.with_reuse(sinks=4, recent=0.5, factor=(1.0, 1.3, 1.0, 0.7))
-    states = forward_states
     with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False, account=True):
         out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert out.shape == (1, 205) and len(states) == 5  # the prefill and 4 decode steps
-    last = states[-1]
+    assert out.shape == (1, 205) and len(forwards) == 5  # the prefill and 4 decode steps
+    last = forwards[-1]
     assert last.step.decode and sorted(last.selections) == [2]  # the last forward: a decode step, ranked
     assert last.selections[2].ranked and last.selections[2].decode
 
 
-def test_length_aware_plan_switches_sub_plan_from_n(forward_states):
+def test_length_aware_plan_switches_sub_plan_from_n(forwards):
     model = _model()
     fp = ModelFingerprint.from_model(model)
     short = KascadePlan(fp, (0, 1), ((0, 1, 2),) * 4, ratio=0.1, k_min=8, tile=16)
     long = _base(model)
     plan = dataclasses.replace(long, by_length=((256, short),))
     assert plan.for_length(256) is short and plan.for_length(257) is plan and plan.for_length(10) is short
-    states = forward_states
     for n, sub in ((200, short), (300, plan)):
         with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False):
             model(_ids(n))
-        assert states[-1].plan is sub
+        assert forwards[-1].plan is sub
     a, _ = _run(model, plan, _ids(200))
     b, _ = _run(model, short, _ids(200))
     assert torch.equal(a, b)

@@ -45,7 +45,7 @@ def _kernel_calls(monkeypatch):
     return calls
 
 
-def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forward_states):
+def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forwards):
     model, plan = _model_and_plan()
     ids = _ids(2, sized(75), 1)
     mask = torch.ones_like(ids)
@@ -55,7 +55,7 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
             ref = model(ids, attention_mask=mask).logits
             ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
         calls = _kernel_calls(monkeypatch)
-        forward_states.clear()
+        forwards.clear()
         with kascade.enable(model, plan, backend="triton") as h:
             assert h.runtime.backend == "triton"
             got = model(ids, attention_mask=mask).logits
@@ -69,11 +69,11 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen)
     # the prefill of generate and 2 decode steps: one step plan each (plan / run split), with the decode metadata
-    steps = [fs.step for fs in forward_states[1:]]
+    steps = [fwd.step for fwd in forwards[1:]]
     assert [s.decode for s in steps] == [False, True, True] and all(s.meta is not None for s in steps[1:])
     assert all(s.backend == "triton" and s.index_dtype == torch.int32 for s in steps)
     # and the anchors' selections of those passes are made in it (decode included: the radix select writes int32)
-    kept = [sel for fs in forward_states[1:] for sel in fs.selections.values()]
+    kept = [sel for fwd in forwards[1:] for sel in fwd.selections.values()]
     assert len(kept) >= 3 and all(sel.indices.dtype == torch.int32 for sel in kept)
     assert calls.count("dense_select_decode") == 2 and calls.count("select_decode") == 4
     assert calls.count("sparse_decode") == 6
@@ -88,7 +88,7 @@ def test_triton_backend_refuses_what_it_cannot_run():
         kascade.enable(odd, backend="triton")
 
 
-def test_static_cache_decode_steps_stay_on_the_device(forward_states):
+def test_static_cache_decode_steps_stay_on_the_device(forwards):
     """With a static cache the Triton decode step is planned from device tensors (the CUDA-graph path) and
     generates what the reference generates with a dynamic cache."""
     from kascade.integration.graphs import GraphDecoder
@@ -98,14 +98,14 @@ def test_static_cache_decode_steps_stay_on_the_device(forward_states):
     ids = _ids(2, P, 2)
     with torch.no_grad(), kascade.enable(model, plan, backend="reference"):
         ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, P:]
-    forward_states.clear()
+    forwards.clear()
     with kascade.enable(model, plan, backend="triton"):
         dec = GraphDecoder(model, batch_size=2, max_cache_len=P + 10, use_graph=False)
         got = dec.generate(ids, max_new_tokens=4)
     assert torch.equal(got, ref)
     # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
-    assert [fs.step.on_device for fs in forward_states] == [False, True, True, True]
-    assert all(fs.step.meta.n == (P + 10, P + 10) for fs in forward_states[1:])  # launch bounds: the capacity
+    assert [fwd.step.on_device for fwd in forwards] == [False, True, True, True]
+    assert all(fwd.step.meta.n == (P + 10, P + 10) for fwd in forwards[1:])  # launch bounds: the capacity
 
 
 def _static_cache_logits(model, ids, feed, capacity, mask=None):

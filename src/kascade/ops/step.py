@@ -5,6 +5,10 @@ queries sit, how many keys each row keeps. :class:`Step` holds it, built once pe
 :func:`kascade.ops.plan_step` and passed to the public ops (``step=``), which then check nothing that needs the
 device and build nothing per layer. Budget counts come from :mod:`kascade.budget`.
 
+These are the ops' per-call metadata, below the runtime: the runtime's pass object, :class:`kascade.Forward`, holds
+one Step (``fwd.step``) beside the plan and the selections; a decode step's Step holds a :class:`DecodeMeta`
+(``step.meta``) on the Triton backend, and in every decode step planned on the device (a static cache).
+
 A decode step over a static KV cache can be planned from device tensors alone (:func:`decode_meta_static`): it
 then reads nothing back to the host, so the step can be captured in a CUDA graph and replayed.
 """
@@ -21,7 +25,8 @@ from ..budget import Budget
 
 @dataclass(frozen=True)
 class DecodeMeta:
-    """Per-sequence metadata of one decode step for the Triton kernels, shared by every layer of the step.
+    """Per-sequence metadata of one decode step for the Triton kernels, shared by every layer of the step: the
+    ``meta`` of its :class:`Step`.
 
     tensor: ``[B, 4]`` int32 on the device: first valid slot (0 when paged), valid keys ``n_b``, budget ``k_b``, 0.
     n, k:   the same ``n_b`` and ``k_b`` on the host (``k`` is ``None`` when no budget was given); for a step planned
@@ -101,7 +106,8 @@ def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, 
 
 @dataclass(eq=False)
 class Step:
-    """One forward step's plan (see the module docstring). Build it with :func:`kascade.ops.plan_step`.
+    """One forward step's plan (see the module docstring): what the ops need, held by the pass's
+    :class:`kascade.Forward` as ``fwd.step``. Build it with :func:`kascade.ops.plan_step`.
 
     backend:  "reference" or "triton"; budget: the budget every selection of the step uses.
     batch, q_heads, kv_heads, queries, keys, head_dim, dtype, device: the shapes every layer's ``q [B, HQ, L, D]``
