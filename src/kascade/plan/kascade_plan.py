@@ -383,7 +383,7 @@ class KascadePlan:
 
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan.json_form`)."""
+        """JSON-ready dict in format ``kascade-plan/4`` (:mod:`kascade.plan.json_form`)."""
         return json_form.to_dict(self)
 
     @classmethod
