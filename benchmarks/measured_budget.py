@@ -6,7 +6,7 @@
    against dense on "sensitivity" dev windows with one layer's budget changed at a time (every layer 1..29, every
    scale of the grid): :func:`kascade.calibrate.budgets.layer_sensitivity`.
 2. Allocate one scale per layer by exact dynamic programming on those measurements (additive model, mean scale over
-   layers 1..29 exactly 1): :func:`kascade.calibrate.budgets.allocate_scales`, for the full grid (up to 3x) and for
+   layers 1..29 exactly 1): :func:`kascade.calibrate.budgets.allocate_factors`, for the full grid (up to 3x) and for
    the grid capped at 2x (anchors rank at most 2x deep), as --grids asks.
 3. Score the candidates on *other* dev windows (the choice is made there), then evaluate every plan on the held-out
    eval windows (8 x 4K, 5 x 8K), reference backend, fp32.
@@ -44,7 +44,7 @@ def main(argv=None):
     ap.add_argument("--eval-windows", type=int, nargs="+", default=[8, 5], help="held-out windows per eval length")
     ap.add_argument("--start", default=None,
                     help="a plan JSON to measure from (default: the shipped 'searched' plan, one budget per layer); "
-                         "a plan with per-layer budgets gives a second round around its scales")
+                         "a plan with per-layer budgets gives a second round around its factors")
     ap.add_argument("--grids", nargs="+", default=["full", "cap2"], choices=["full", "cap2"],
                     help="allocation grids: full = 0.5-3x, cap2 = 0.5-2x (default: both)")
     ap.add_argument("--proxy", default=None,
@@ -82,7 +82,7 @@ def main(argv=None):
         p = measured_budget_plan(base, sens, grid)
         p.save(out / f"plan_{name}.json")
         plans[f"searched + layer budget ({name.replace('_', ', ')})"] = p
-        log(f"{name}: scales {list(p.reuse.scale)}")
+        log(f"{name}: factors {list(p.reuse.factor)}")
     chooser = DenseReference(model, dev_windows(a.choose, seed=7))
     res["choose"] = {n: chooser(p) for n, p in plans.items()}
     log("choose (dev): " + "; ".join(f"{n} {v['kl']:.4f}" for n, v in res["choose"].items()))
@@ -94,7 +94,7 @@ def main(argv=None):
     best = min(res["choose"], key=lambda k: res["choose"][k]["kl"])
     res["best_on_dev"] = best
     (out / "measured.json").write_text(json.dumps(res, indent=1, default=str))
-    head = "| plan | anchors | scales | dev KL (choice) | " + " | ".join(
+    head = "| plan | anchors | factors | dev KL (choice) | " + " | ".join(
         f"attended {L} | agree {L} | KL {L}" for L in a.eval) + " |"
     lines = [f"machine {res['machine']}; torch {res['torch']}; transformers {res['transformers']}; "
              f"SmolLM2-135M-Instruct "
@@ -102,7 +102,7 @@ def main(argv=None):
              f"sensitivity on dev windows {a.sens}, choice on other dev windows {a.choose}", "", head,
              "|" + "---|" * (4 + 3 * len(a.eval))]
     for name, p in plans.items():
-        sc = "1" if p.reuse.scale is None else f"{min(p.reuse.scale[1:]):g}-{max(p.reuse.scale):g}"
+        sc = "1" if p.reuse.factor is None else f"{min(p.reuse.factor[1:]):g}-{max(p.reuse.factor):g}"
         mark = " (chosen)" if name == best else ""
         row = f"| {name}{mark} | {list(p.anchors)} | {sc} | {res['choose'][name]['kl']:.4f} |"
         for L in a.eval:

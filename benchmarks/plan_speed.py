@@ -11,7 +11,7 @@ against the same number of dense layers (the faster of torch's SDPA -- cuDNN fir
 dense kernel, as the cost model's ``best`` baseline).
 
 A plan made for another model (the default model's: 3 KV heads) is *transplanted* to the shape: same layers, anchors,
-budgets and per-layer scales; head map identity and every reuse source follows the same head (which head a reuse
+budgets and per-layer budget factors; head map identity and every reuse source follows the same head (which head a reuse
 layer follows does not change what it costs). The layers alternate between two sets of random q / k / v, each larger
 than the L2 cache. Times (:func:`kascade.costs_measure.cuda_us`) are medians of ``--repeats`` CUDA-event timed
 passes after a warm-up pass (passes under 15 ms: ``triton.testing.do_bench``). Writes OUT/plan_speed.json and

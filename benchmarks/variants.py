@@ -72,8 +72,8 @@ def describe(plan: KascadePlan | None) -> str:
     r = plan.reuse
     if r.sources is not None:
         parts.append(f"sources (up to {max(len(p) for row in r.sources for p in row)} per head)")
-    if r.scale is not None:
-        parts.append(f"scale {min(r.scale):.2f}-{max(r.scale):.2f}")
+    if r.factor is not None:
+        parts.append(f"factor {min(r.factor):.2f}-{max(r.factor):.2f}")
     if r.recent:
         parts.append(f"{r.sinks} sinks + recent {r.recent:.0%}")
     if plan.by_length:

@@ -73,13 +73,14 @@ def tiny_model(family: str = "llama", **overrides):
 
 
 @pytest.fixture
-def forward_states(monkeypatch):
-    """Every forward's state (step, plan, the selections left at its end), in order, as the runtime makes them."""
+def forwards(monkeypatch):
+    """Every forward pass's :class:`kascade.Forward` (its step, plan, and the selections left at its end), in order,
+    as the runtime begins them."""
     from kascade.attention import Attention
 
-    states, begin = [], Attention.begin
-    monkeypatch.setattr(Attention, "begin", lambda self, *a: states.append(begin(self, *a)) or states[-1])
-    return states
+    passes, begin = [], Attention.begin
+    monkeypatch.setattr(Attention, "begin", lambda self, fwd, *a: (begin(self, fwd, *a), passes.append(fwd))[0])
+    return passes
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kascade.budget import Budget, scaled
+from kascade.budget import Budget, at_factor
 from kascade.ops.step import decode_meta, decode_meta_static
 
 B = Budget(ratio=0.1, k_min=128, tile=32, rolling=True)
@@ -42,7 +42,7 @@ def test_row_counts_of_a_prefill_call():
     assert rows[0].tolist() == [0, 32, 64, 96, 96, 96, 96, 96, 96, 96]
     # n = 70: k(70) = 70, k - T = 38: tiles at 0, 32, 64 -> 0, 32, 38; rows past the last tile keep nothing
     assert rows[1].tolist() == [0, 32, 38, 0, 0, 0, 0, 0, 0, 0]
-    # scale 0.5: round(c / 2); scale 1.5: round(1.5 c), capped by the s candidates
+    # factor 0.5: round(c / 2); factor 1.5: round(1.5 c), capped by the s candidates
     assert B.row_counts(n, first, 10, 0.5)[0].tolist() == [0, 16, 32, 48, 48, 48, 48, 48, 48, 48]
     assert B.row_counts(n, first, 10, 1.5)[0].tolist() == [0, 32, 64, 96, 128, 144, 144, 144, 144, 144]
     # a chunk: the last 100 of 300 tokens are tiles 6..9
@@ -52,16 +52,16 @@ def test_row_counts_of_a_prefill_call():
     assert B.row_counts(torch.tensor([300]), torch.tensor([6]), 4)[0].tolist() == [96, 96, 96, 96]
 
 
-@pytest.mark.parametrize("count,scale,limit,want", [
+@pytest.mark.parametrize("count,factor,limit,want", [
     (500, 1.0, 5000, 500), (500, 0.5, 5000, 250), (500, 2.0, 5000, 1000), (100, 1.5, 100, 100),
     (5, 0.5, 100, 3),    # round half up: 2.5 -> 3
     (7, 0.5, 100, 4),    # 3.5 -> 4
-    (500, 0.001, 5000, 1),  # a tiny scale still keeps one key
+    (500, 0.001, 5000, 1),  # a tiny factor still keeps one key
     (0, 2.0, 64, 0),     # a row without a budget stays empty
 ])
-def test_scaled_counts(count, scale, limit, want):
-    assert scaled(count, scale, limit) == want
-    assert scaled(torch.tensor([count]), scale, torch.tensor([limit])).tolist() == [want]
+def test_counts_at_a_factor(count, factor, limit, want):
+    assert at_factor(count, factor, limit) == want
+    assert at_factor(torch.tensor([count]), factor, torch.tensor([limit])).tolist() == [want]
 
 
 def test_decode_counts_and_the_device_metadata_use_one_rule():
@@ -77,3 +77,15 @@ def test_decode_counts_and_the_device_metadata_use_one_rule():
         assert dev.k_max >= host.k_max  # the launch bound covers every sequence
         for s in (0.5, 1.7):
             assert torch.equal(dev.counts(B, s), host.counts(B, s))
+
+
+def test_the_budget_multiplier_by_its_former_names_is_a_type_error_naming_factor():
+    n = torch.tensor([300])
+    with pytest.raises(TypeError, match="'factor', not 'scale'"):
+        B.decode_counts(1000, scale=2.0)
+    with pytest.raises(TypeError, match="'factor', not 'scale'"):
+        B.row_counts(n, torch.tensor([0]), 10, scale=2.0)
+    with pytest.raises(TypeError, match="'at_factor', not 'scaled'"):
+        from kascade.budget import scaled  # noqa: F401
+    assert B.decode_counts(1000, factor=2.0) == 256  # k(1000) = k_min = 128, twice
+    assert B.row_counts(n, torch.tensor([0]), 10, factor=1.0).shape == (1, 10)

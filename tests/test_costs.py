@@ -129,7 +129,7 @@ def test_hand_computed_toy_table(toy):
     assert costs.plan_speedup(plan, baseline="ours", **kw) == pytest.approx(4 / 1.6)
     assert costs.plan_speedup(plan, "prefill", **kw) == pytest.approx(4 / 3.2)
     # per-layer budgets: layer 1 keeps 2x, layer 3 0.5x (k = 100 keys: 200 and 50): 2 + 1 + 0.2 + 0.05
-    ranked = plan.with_reuse(scale=(1.0, 2.0, 1.0, 0.5))
+    ranked = plan.with_reuse(factor=(1.0, 2.0, 1.0, 0.5))
     assert costs.layer_fractions(ranked, 1000) == [1.0, 0.2, 0.1, 0.05]
     assert costs.plan_speedup(ranked, **kw) == pytest.approx(4 / 3.25)
     # the fastest plan: layer 0 alone, 2 + 3 * 0.1

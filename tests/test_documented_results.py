@@ -132,7 +132,7 @@ def test_results_plan_speed_sentences():
     default = next(r for r in rows["plans"] if r["plan"] == "default")
     assert dense / default["ms"] < 0.95 * default["modelled"]  # "It overrates the default plan"
     (deep,) = _find(r"rank their\s+keys up to (\d+)x deeper", text)
-    assert max(tables._shipped("default").reuse.scale) == int(deep)
+    assert max(tables._shipped("default").reuse.factor) == int(deep)
     # the modelled column is the cost model's for the shipped plans (the run recorded it)
     for r in rows["plans"]:
         if r["plan"] != "dp-8":

@@ -1,9 +1,10 @@
 import dataclasses
+import json
 
 import pytest
 
 from kascade import Budget, KascadePlan, ModelFingerprint
-from kascade.plan import default_plan
+from kascade.plan import Reuse, default_plan, shipped_plans
 
 FP = ModelFingerprint("llama", 8, 6, 3, 16)
 IDENT = (0, 1, 2)
@@ -88,43 +89,60 @@ def _ranked():
         src[l] = (((0, 1),), ((0, 2), (0, 0)), (((2 if l > 2 else 0), 0),))
     short = base.with_reuse(sinks=4, recent=0.5)
     short = dataclasses.replace(short, anchors=(0, 3))
-    return dataclasses.replace(base.with_reuse(sources=tuple(src), scale=(1.0, 1.2, 1, 0.8, 1, 1, 1.1, 0.9)),
+    return dataclasses.replace(base.with_reuse(sources=tuple(src), factor=(1.0, 1.2, 1, 0.8, 1, 1, 1.1, 0.9)),
                                by_length=((1024, short),))
 
 
 def test_ranked_plan_json_round_trip(tmp_path):
     p = _ranked()
     d = p.to_dict()
-    assert d["format"] == "kascade-plan/3" and d["by_length"][0]["max_n"] == 1024
-    assert set(d["reuse"]) == {"scale", "sources"} and d["by_length"][0]["plan"]["reuse"] == {"sinks": 4, "recent": 0.5}
+    assert d["format"] == "kascade-plan/4" and d["by_length"][0]["max_n"] == 1024
+    assert set(d["reuse"]) == {"factor", "sources"} and d["by_length"][0]["plan"]["reuse"] == {"sinks": 4, "recent": 0.5}
     p.save(tmp_path / "p.json")
     q = KascadePlan.load(tmp_path / "p.json")
     assert q == p and q.ranked and q.by_length[0][1].reuse.recent == 0.5 and q.reuse.sources[1][1] == ((0, 2), (0, 0))
     assert q.for_length(1024).anchors == (0, 3) and q.for_length(1025) is q
-    assert q.depth(0) == 1.2 and q.depth(2) == 1.1 and q.depth(5) == 1.0  # the layers drawing on each
+    assert q.rank_factor(0) == 1.2 and q.rank_factor(2) == 1.1 and q.rank_factor(5) == 1.0  # the layers drawing on each
     assert q.last_reader(0) == 7 and q.last_reader(2) == 7 and q.last_reader(5) == 5  # sources: any earlier anchor
     plain = KascadePlan.uniform(FP, 3)
     assert not plain.ranked and "reuse" not in plain.to_dict() and KascadePlan.from_dict(plain.to_dict()) == plain
-    assert plain.anchors == (0, 2, 5) and plain.depth(0) == 1.0
+    assert plain.anchors == (0, 2, 5) and plain.rank_factor(0) == 1.0
     assert [plain.last_reader(a) for a in plain.anchors] == [1, 4, 7]  # the layers before the next anchor
     assert p.with_budget(ratio=0.2).by_length[0][1].ratio == 0.2  # sub-plans follow budget changes
 
 
 def _as_v2(d: dict) -> dict:
-    """A plan dict written the way kascade-plan/2 files were: reuse fields at the top level, scale named
-    layer_scale."""
+    """A plan dict written the way kascade-plan/2 files were: reuse fields at the top level, the budget multiplier
+    named layer_scale."""
     d = dict(d, format="kascade-plan/2")
     r = d.pop("reuse", {})
-    names = {"scale": "layer_scale"}
+    names = {"factor": "layer_scale"}
     d.update({names.get(k, k): v for k, v in r.items()})
     if "by_length" in d:
         d["by_length"] = [dict(e, plan=_as_v2(e["plan"])) for e in d["by_length"]]
     return d
 
 
+def _as_v3(d: dict) -> dict:
+    """A plan dict written the way kascade-plan/3 files were: the budget multiplier named scale."""
+    d = dict(d, format="kascade-plan/3")
+    if "reuse" in d:
+        d["reuse"] = {("scale" if k == "factor" else k): v for k, v in d["reuse"].items()}
+    if "by_length" in d:
+        d["by_length"] = [dict(e, plan=_as_v3(e["plan"])) for e in d["by_length"]]
+    return d
+
+
 def test_older_formats_still_load():
     p = _ranked()
     assert KascadePlan.from_dict(_as_v2(p.to_dict())) == p
+    v3 = _as_v3(p.to_dict())
+    assert v3["reuse"]["scale"] == list(p.reuse.factor) and "factor" not in v3["reuse"]
+    assert KascadePlan.from_dict(v3) == p
+    with pytest.raises(ValueError, match=r"plan.reuse.scale\[7\] must be a number"):
+        KascadePlan.from_dict(dict(v3, reuse=dict(v3["reuse"], scale=[1] * 7 + ["1"])))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['scale'\]"):
+        KascadePlan.from_dict(dict(p.to_dict(), reuse={"scale": list(p.reuse.factor)}))  # /4 names it factor
     v1 = dict(KascadePlan.uniform(FP, 3).to_dict(), format="kascade-plan/1")
     assert KascadePlan.from_dict(v1) == KascadePlan.uniform(FP, 3)
     bad = dict(v1, recent=0.5)
@@ -138,13 +156,13 @@ def test_shipped_plans_load():
     plain = shipped_plans("searched") + shipped_plans("faithful")  # anchors + head map
     assert plain and all(not p.ranked and p.calibrated for p in plain)
     ranked = shipped_plans()  # the default: per-layer budgets
-    assert ranked and all(p.ranked and p.reuse.scale is not None and p.calibrated for p in ranked)
+    assert ranked and all(p.ranked and p.reuse.factor is not None and p.calibrated for p in ranked)
 
 
 @pytest.mark.parametrize("changes,needle", [
     (dict(sources=((((0, 0),), ((0, 1),), ((0, 2),)),) * 8), "is an anchor"),
-    (dict(scale=(1.0,) * 7), "one entry per layer"), (dict(scale=(1.0, 0, 1, 1, 1, 1, 1, 1)), "> 0"),
-    (dict(scale=(0.5,) + (1.0,) * 7), "layer 0 is dense"),
+    (dict(factor=(1.0,) * 7), "one entry per layer"), (dict(factor=(1.0, 0, 1, 1, 1, 1, 1, 1)), "> 0"),
+    (dict(factor=(0.5,) + (1.0,) * 7), "layer 0 is dense"),
     (dict(recent=1.5), "recent"), (dict(sinks=4, recent=0.0), "sinks > 0 needs recent"),
 ], ids=lambda x: str(x)[:40])
 def test_bad_reuse_fields_are_refused(changes, needle):
@@ -187,7 +205,7 @@ def test_bad_sources_are_refused():
     (lambda d: d.update(ratio="0.1"), r"plan.ratio must be a number, got '0.1'"),
     (lambda d: d["head_map"].__setitem__(1, [0, 1, "2"]), r"plan.head_map\[1\]\[2\] must be an integer"),
     (lambda d: d["fingerprint"].update(num_layers=8.0), r"plan.fingerprint.num_layers must be an integer"),
-    (lambda d: d.update(reuse={"scale": [1] * 7 + ["1"]}), r"plan.reuse.scale\[7\] must be a number"),
+    (lambda d: d.update(reuse={"factor": [1] * 7 + ["1"]}), r"plan.reuse.factor\[7\] must be a number"),
     (lambda d: d.update(reuse={"sinks": 4.0, "recent": 0.5}), r"plan.reuse.sinks must be an integer"),
     (lambda d: d.update(reuse={"surprise": 1}), r"plan.reuse has unknown field"),
     (lambda d: d.update(surprise=1), r"plan has unknown field\(s\) \['surprise'\]"),
@@ -325,3 +343,32 @@ def test_the_papers_one_call_form_is_a_plan():
             KascadePlan.from_anchors(FP, anchors=[2], **kw)
     with pytest.raises(ValueError, match="out of range"):
         KascadePlan.from_anchors(FP, anchors=[8], topk=8)
+
+
+def test_a_plan_round_trips_through_the_written_format(tmp_path):
+    for p in (_ranked(), KascadePlan.uniform(FP, 3), _ranked().for_tensor_parallel(3)):
+        d = json.loads(json.dumps(p.to_dict()))
+        assert d["format"] == "kascade-plan/4" and KascadePlan.from_dict(d) == p
+    p = _ranked()
+    assert p.to_dict()["reuse"]["factor"] == [1.0, 1.2, 1.0, 0.8, 1.0, 1.0, 1.1, 0.9]
+    p.save(tmp_path / "p.json")
+    assert KascadePlan.load(tmp_path / "p.json") == p
+
+
+def test_the_shipped_plans_load_as_before():
+    """The shipped files keep their format (/2, /3): each loads to the plan its /4 form loads to."""
+    for p in shipped_plans():
+        assert KascadePlan.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("use,new", [
+    (lambda: Reuse(scale=(1.0,) * 8), "factor"),
+    (lambda: _ranked().with_reuse(scale=(1.0,) * 8), "factor"),
+    (lambda: _ranked().reuse.scale, "factor"),
+    (lambda: _ranked().scale(1), "layer_factor"),
+    (lambda: _ranked().depth(0), "rank_factor"),
+], ids=["Reuse", "with_reuse", "Reuse.scale", "plan.scale", "plan.depth"])
+def test_the_budget_multiplier_by_its_former_names_is_a_type_error_naming_the_current(use, new):
+    with pytest.raises(TypeError, match=f"'{new}', not '(scale|depth)'"):
+        use()
+    assert not hasattr(_ranked(), "scale") and not hasattr(Reuse(), "scale")  # absent, for getattr(x, name, default)

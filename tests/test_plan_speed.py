@@ -14,7 +14,7 @@ def test_transplant_keeps_layers_budgets_and_the_number_of_sources():
     shape = shape_named("llama-3.1-8b")
     plan = plan_speed.load_plan("default")
     t = plan_speed.transplant(plan, shape)
-    assert t.anchors == plan.anchors and t.reuse.scale == plan.reuse.scale and t.num_layers == plan.num_layers
+    assert t.anchors == plan.anchors and t.reuse.factor == plan.reuse.factor and t.num_layers == plan.num_layers
     assert (t.fingerprint.num_q_heads, t.fingerprint.num_kv_heads, t.fingerprint.head_dim) == (32, 8, 128)
     assert all(row == tuple(range(8)) for row in t.head_map)
     # the cost model sees the same plan: same layer fractions, same modelled speedup at Llama costs

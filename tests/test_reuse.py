@@ -53,7 +53,7 @@ def test_ranked_select_prefix_equals_select_and_ranking_is_deeper():
     budget = Budget(ratio=0.1, k_min=8, tile=16)
     kw = dict(budget=budget, scale=8**-0.5, kv_start=kv_start, q_offset=0)
     ref = reference.select(q, k, **kw)
-    r = reference.select(q, k, depth=2.0, **kw)
+    r = reference.select(q, k, rank_factor=2.0, **kw)
     assert r.ranked and torch.equal(r.row_start, ref.row_start)
     assert r.indices.shape[-1] > ref.indices.shape[-1]
     # the ranking is in descending pooled probability: its prefix of each row's budget is the top-k set
@@ -75,7 +75,7 @@ def test_union_and_sink_sets_are_sorted_distinct_padded_and_on_budget():
     q, k = torch.randn(1, 6, 300, 8), torch.randn(1, 3, 300, 8)
     budget = Budget(ratio=0.1, k_min=8, tile=16)
     kw = dict(budget=budget, scale=8**-0.5, kv_start=torch.tensor([0]), q_offset=0)
-    sels = {0: reference.select(q, k, depth=1.0, **kw), 2: reference.select(q * 0.5 + 1, k, depth=1.0, **kw)}
+    sels = {0: reference.select(q, k, rank_factor=1.0, **kw), 2: reference.select(q * 0.5 + 1, k, rank_factor=1.0, **kw)}
     plan = KascadePlan(fp, (0, 2), HM, ratio=0.1, k_min=8, tile=16).with_reuse(sources=UNION, sinks=4, recent=0.5)
     step = plan_step(q, k, budget=budget)
     sel = layer_selection(plan, 3, sels, step)
@@ -95,12 +95,12 @@ def test_union_and_sink_sets_are_sorted_distinct_padded_and_on_budget():
 
 
 def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
-    """sources equal to the head map and scales of 1 take the ranked path but must pick the same keys."""
+    """sources equal to the head map and factors of 1 take the ranked path but must pick the same keys."""
     model = _model()
     ids = _ids(300)
     base = _base(model)
     src = tuple(tuple(((base.anchor_of(l), h),) for h in base.head_map[l]) for l in range(4))
-    ranked = base.with_reuse(sources=src, scale=(1.0,) * 4)
+    ranked = base.with_reuse(sources=src, factor=(1.0,) * 4)
     assert ranked.ranked and not base.ranked
     a, acc_a = _run(model, base, ids)
     b, acc_b = _run(model, ranked, ids)
@@ -110,7 +110,7 @@ def test_faithful_fields_in_ranked_form_reproduce_faithful_logits_exactly():
 @pytest.mark.parametrize("fields", [
     dict(sources=UNION),
     dict(sinks=4, recent=0.5),
-    dict(scale=(1.0, 1.0, 1.5, 2.0)),  # scales >= 1: at full budget every row is still capped at dense
+    dict(factor=(1.0, 1.0, 1.5, 2.0)),  # factors >= 1: at full budget every row is still capped at dense
 ], ids=["union2", "sinks", "layer-budget"])
 def test_variants_at_full_budget_equal_dense(fields):
     model = _model()
@@ -140,7 +140,7 @@ def test_layer_budget_moves_keys_between_layers_and_keeps_the_average():
     ids = _ids(400)
     base = _base(model)
     _, faithful = _run(model, base, ids)
-    _, acc = _run(model, base.with_reuse(scale=(1.0, 1.5, 1.0, 0.5)), ids)
+    _, acc = _run(model, base.with_reuse(factor=(1.0, 1.5, 1.0, 0.5)), ids)
     assert acc[1][0] > faithful[1][0] and acc[3][0] < faithful[3][0] and acc[2] == faithful[2]
     tot = sum(a for a, _ in acc.values())
     ref = sum(a for a, _ in faithful.values())
@@ -148,32 +148,30 @@ def test_layer_budget_moves_keys_between_layers_and_keeps_the_average():
     assert 0.98 * ref <= tot <= ref * 1.001
 
 
-def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful(forward_states):
+def test_decode_with_a_ranked_plan_matches_generation_shapes_and_differs_from_faithful(forwards):
     model = _model()
     base = _base(model)
     ids = _ids(200)
-    plan = base.with_reuse(sinks=4, recent=0.5, scale=(1.0, 1.3, 1.0, 0.7))
-    states = forward_states
+    plan = base.with_reuse(sinks=4, recent=0.5, factor=(1.0, 1.3, 1.0, 0.7))
     with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False, account=True):
         out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert out.shape == (1, 205) and len(states) == 5  # the prefill and 4 decode steps
-    last = states[-1]
+    assert out.shape == (1, 205) and len(forwards) == 5  # the prefill and 4 decode steps
+    last = forwards[-1]
     assert last.step.decode and sorted(last.selections) == [2]  # the last forward: a decode step, ranked
     assert last.selections[2].ranked and last.selections[2].decode
 
 
-def test_length_aware_plan_switches_sub_plan_from_n(forward_states):
+def test_length_aware_plan_switches_sub_plan_from_n(forwards):
     model = _model()
     fp = ModelFingerprint.from_model(model)
     short = KascadePlan(fp, (0, 1), ((0, 1, 2),) * 4, ratio=0.1, k_min=8, tile=16)
     long = _base(model)
     plan = dataclasses.replace(long, by_length=((256, short),))
     assert plan.for_length(256) is short and plan.for_length(257) is plan and plan.for_length(10) is short
-    states = forward_states
     for n, sub in ((200, short), (300, plan)):
         with torch.no_grad(), kascade.enable(model, plan, warn_uncalibrated=False):
             model(_ids(n))
-        assert states[-1].plan is sub
+        assert forwards[-1].plan is sub
     a, _ = _run(model, plan, _ids(200))
     b, _ = _run(model, short, _ids(200))
     assert torch.equal(a, b)
@@ -203,19 +201,19 @@ def test_enable_uses_a_shipped_variant_plan(monkeypatch):
 
 # -- sources and sinks + recent, hand-computed ---------------------------------------------------------------------
 # One decode query over 40 keys at ratio 0.1, k_min 6: a faithful row keeps k(40) = max(6, 4) = 6 keys; a layer at
-# scale 0.5 keeps round(0.5 * 6) = 3. Anchor 0 ranks its keys (most probable first):
+# factor 0.5 keeps round(0.5 * 6) = 3. Anchor 0 ranks its keys (most probable first):
 RANK_A = [30, 5, 17, 2, 33, 8, 11, 25, 1, 39]  # head 0
 RANK_B = [7, 30, 21, 3, 9, 12, 14, 0, 36, 22]  # head 1
 
 
-def _hand_case(scale, **reuse):
+def _hand_case(factor, **reuse):
     from kascade.ops import Selection
 
     fp = ModelFingerprint("llama", 4, 2, 2, 8)
     sources = tuple(tuple(((l, h),) for h in range(2)) if l in (0, 2) else
                     (((0, 0), (0, 1)), ((0, 1),)) for l in range(4))
     plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.1, k_min=6, tile=8)
-    plan = plan.with_reuse(sources=sources, scale=(1.0, scale, 1.0, 1.0), **reuse)
+    plan = plan.with_reuse(sources=sources, factor=(1.0, factor, 1.0, 1.0), **reuse)
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 40, 8)
     step = plan_step(q, k, budget=plan.budget)
     ranked = Selection(torch.tensor([[[RANK_A], [RANK_B]]]), torch.zeros(1, dtype=torch.long), 8, decode=True,
@@ -223,20 +221,20 @@ def _hand_case(scale, **reuse):
     return layer_selection(plan, 1, {0: ranked}, step).indices[0, :, 0].tolist()
 
 
-@pytest.mark.parametrize("scale,head0,head1", [
+@pytest.mark.parametrize("factor,head0,head1", [
     # the union merges the two rankings rank by rank (A0, B0, A1, B1 = A0 again, A2, B2, A3, ...)
     (1.0, [2, 5, 7, 17, 21, 30], [3, 7, 9, 12, 21, 30]),  # head 1 has one source: its first 6
     (0.5, [5, 7, 30], [7, 21, 30]),  # the layer's own budget: 3 keys
 ])
-def test_a_union_of_two_sources_interleaves_their_rankings_at_the_layers_budget(scale, head0, head1):
-    assert _hand_case(scale) == [head0, head1]
+def test_a_union_of_two_sources_interleaves_their_rankings_at_the_layers_budget(factor, head0, head1):
+    assert _hand_case(factor) == [head0, head1]
 
 
-@pytest.mark.parametrize("scale,head0", [
+@pytest.mark.parametrize("factor,head0", [
     # 6 keys: recent share floor(0.5 * 6) = 3 = sinks 0, 1 + the newest key 39; then the union's ranking 30, 7, 5
     (1.0, [0, 1, 5, 7, 30, 39]),
     # 3 keys: floor(0.5 * 3) = 1 forced key, a sink (0); then 30, 7
     (0.5, [0, 7, 30]),
 ])
-def test_sinks_and_recent_take_their_share_of_the_layers_budget(scale, head0):
-    assert _hand_case(scale, sinks=2, recent=0.5)[0] == head0
+def test_sinks_and_recent_take_their_share_of_the_layers_budget(factor, head0):
+    assert _hand_case(factor, sinks=2, recent=0.5)[0] == head0

@@ -75,8 +75,8 @@ def test_selection_shape_counts_tiles_and_pads_rows_by_hand():
     assert selection_shape(b, 24, 4) == (1, 8)
     assert selection_shape(b, 10, 10) == (3, 1)  # k(10) = 5, k - T = 1: rows keep 0, 1, 1
     assert selection_shape(b, 24, 1) == (1, 12)  # decode: k(24) = 12
-    assert selection_shape(b, 24, 24, depth=2.0) == (6, 16)  # ranked 2 deep: min(s, 2 c) = 0, 4, 8, 12, 16, 16
-    assert selection_shape(Budget(ratio=0.1, k_min=4, tile=4), 100, 1, depth=1.5) == (1, 15)
+    assert selection_shape(b, 24, 24, rank_factor=2.0) == (6, 16)  # ranked 2 deep: min(s, 2 c) = 0, 4, 8, 12, 16, 16
+    assert selection_shape(Budget(ratio=0.1, k_min=4, tile=4), 100, 1, rank_factor=1.5) == (1, 15)
     assert selection_shape(Budget(ratio=0.5, k_min=2, tile=4, rolling=False), 24, 24) == (6, 8)
     whole = 6 * 8 * 3 * 8  # rows x width x heads x int64
     assert exchange_bytes(3, batch=1, kv_heads=3, rows=6, width=8, index_bytes=8) == whole * 2 // 3
@@ -95,7 +95,7 @@ def _plans(model):
     ident, flip = tuple(range(H)), tuple((h + H // 2) % H for h in range(H))
     plan = KascadePlan(fp, (0, 2), tuple(ident if l in (0, 2) else flip for l in range(fp.num_layers)),
                        ratio=0.25, k_min=16, tile=8, calibrated=True, source="test: crossing links")
-    return {"faithful": plan, "ranked": plan.with_reuse(scale=(1.0, 1.5, 1.0, 0.5))}
+    return {"faithful": plan, "ranked": plan.with_reuse(factor=(1.0, 1.5, 1.0, 0.5))}
 
 
 BATCH, LENGTH = 2, 96

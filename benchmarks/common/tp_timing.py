@@ -166,7 +166,7 @@ def time_exchange(model, plan, batch: int, keys: int, iters: int, ranks: Ranks) 
     sels, received = [], 0
     g = torch.Generator(device=dev).manual_seed(0)
     for a in plan.anchors:
-        rows, width = selection_shape(plan.budget, keys, 1, plan.depth(a) if plan.ranked else None)
+        rows, width = selection_shape(plan.budget, keys, 1, plan.rank_factor(a) if plan.ranked else None)
         idx = torch.randint(0, keys, (batch, shard.count, rows, width), generator=g, device=dev, dtype=torch.int64)
         sels.append(Selection(idx, torch.zeros(batch, dtype=torch.long, device=dev), plan.tile, True))
         received += (shard.size - 1) * idx.numel() * idx.element_size()

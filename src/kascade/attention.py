@@ -6,9 +6,11 @@ transformers integration runs on.
         fwd = kascade.Forward(kv_start=..., q_offset=...)       # its key geometry (defaults: no padding, new keys last)
         for every layer:  out = attn(layer, q, k, v, fwd)       # q [B, HQ, L, D], k, v [B, H, N, D] (the whole cache)
 
-Layer 0 of a pass plans it once (:func:`kascade.ops.plan_step`: key geometry, decode metadata, budgets) and keeps
-that, with the anchors' selections, in the pass's :class:`Forward`, which belongs to that pass alone (concurrent
-passes never share one). Every layer is then one of three kinds:
+One :class:`Forward` holds everything a pass's layers share, and belongs to that pass alone (concurrent passes never
+share one): the key geometry it was made with, then what layer 0 fills in (``Attention.begin``): the step plan
+(:func:`kascade.ops.plan_step`: shapes, budget, backend and, in a decode step, the kernels' per-sequence metadata),
+the (sub-)plan serving the pass, and the anchors' selections as the layers make them. Every layer is then one of
+three kinds:
 
 - layer 0: dense output and its selection (one pass where the backend fuses them);
 - anchor:  its own selection, then sparse attention over it;
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops, reuse
+from . import _renamed, ops, reuse
 from .ops import Selection, Step
 from .tensor_parallel import gather_heads
 from .plan import KascadePlan
@@ -36,40 +38,49 @@ from .plan import KascadePlan
 
 @dataclass(eq=False)
 class Forward:
-    """One forward pass through the layers: the key geometry every layer shares, and what its layers share.
+    """One forward pass through the layers (a prefill, a chunk of one, or one decode step): everything its layers
+    share, in one object that belongs to this pass alone.
+
+    Given when the pass starts (by the caller, or by Kascade's mask function in the transformers integration, whose
+    :class:`~kascade.integration.functions.KeyMask` is a Forward made from the padding mask):
 
     kv_start: ``[B]`` each sequence's first valid key slot (left padding before it; default: none), on the host, or
               on the device in a static-cache decode step.
     q_offset: key slot of the first query (default: the last ``L`` slots hold the new queries); a 0-d device tensor
               in a static-cache decode step.
     refused:  why no layer can run in this pass (the transformers integration's mask kinds Kascade does not serve).
-    state:    made by the runtime at layer 0, read by every later layer.
+
+    Filled in at layer 0 by the runtime's ``begin(fwd, q, k)`` (:meth:`Attention.begin`), read by every later layer:
+
+    step:       the ops' plan of the pass (:class:`kascade.ops.Step`, from :func:`kascade.ops.plan_step`): shapes,
+                budget, backend, the geometry on the host and, in a decode step on the Triton backend or planned on
+                the device, the kernels' per-sequence metadata (``step.meta``, a :class:`kascade.ops.step.DecodeMeta`).
+                Built once, passed to every op of the pass as ``step=``.
+    plan:       the plan serving the pass (a length-aware plan's sub-plan for the pass's longest sequence).
+    selections: the anchors' selections so far, by layer; each is dropped once no later layer reads it.
+    begun:      whether layer 0 has run (a later layer of a pass that never ran it is refused).
     """
 
     kv_start: object = None
     q_offset: object = None
     refused: str | None = None
-    state: object = None
+    step: Step | None = None
+    plan: KascadePlan | None = None
+    selections: dict[int, Selection] = field(default_factory=dict)
     begun: bool = False
 
-    def state_for(self, runtime, layer: int, q, k):
-        """The pass's state for ``layer``: ``runtime.begin`` makes it at layer 0."""
+    def at_layer(self, runtime, layer: int, q, k) -> "Forward":
+        """This pass, ready for ``layer``: at layer 0 ``runtime.begin`` fills it in afresh (the step, plan and
+        selections of an earlier pass never carry over)."""
         if self.refused:
             raise ValueError(self.refused)
         if layer == 0:
-            self.state, self.begun = runtime.begin(q, k, self.kv_start, self.q_offset), True
+            self.step, self.plan, self.selections, self.begun = None, None, {}, False
+            runtime.begin(self, q, k)
+            self.begun = True
         elif not self.begun:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
-        return self.state
-
-
-@dataclass
-class ForwardState:
-    """One forward pass: its step plan, the (sub-)plan serving it, and the anchors' selections so far."""
-
-    step: Step
-    plan: KascadePlan
-    selections: dict[int, Selection] = field(default_factory=dict)
+        return self
 
 
 class Attention:
@@ -112,18 +123,18 @@ class Attention:
                               or any(p.reuse.sources is not None or p.reuse.recent for p in plans))
 
     # -- per forward -------------------------------------------------------------------------------------------
-    def begin(self, q, k, kv_start, q_offset) -> ForwardState:
-        """Plan the forward whose layer 0 receives ``q``, ``k`` (``kv_start`` / ``q_offset``: host values, or device
-        tensors in a static-cache decode step)."""
+    def begin(self, fwd: Forward, q, k) -> None:
+        """Plan the pass ``fwd`` whose layer 0 receives ``q``, ``k``: its ``step`` and ``plan`` (``fwd.kv_start`` /
+        ``fwd.q_offset``: host values, or device tensors in a static-cache decode step; read, never changed)."""
+        kv_start, q_offset = fwd.kv_start, fwd.q_offset
         if self.host_geometry and isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
             kv_start = None if kv_start is None else kv_start.cpu()
         backend = self.backend
         if backend == "auto":
             backend = ops.resolve_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
-        step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
-        plan = self.plan.for_length(step.longest) if self.plan.by_length else self.plan
-        return ForwardState(step=step, plan=plan)
+        fwd.step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
+        fwd.plan = self.plan.for_length(fwd.step.longest) if self.plan.by_length else self.plan
 
     def __call__(self, layer: int, q, k, v, fwd: "Forward", scale: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s attention in the forward pass ``fwd``: ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` ->
@@ -138,7 +149,7 @@ class Attention:
         layer = int(layer)
         if layer == 0:
             self._check_heads(q, k, v)
-        return self.attend(layer, q, k, v, fwd.state_for(self, layer, q, k), scale)
+        return self.attend(layer, q, k, v, fwd.at_layer(self, layer, q, k), scale)
 
     def _check_heads(self, q, k, v) -> None:
         fp = self.plan.fingerprint
@@ -161,17 +172,17 @@ class Attention:
             setattr(new, name, threading.Lock() if name == "_lock" else copy.deepcopy(value, memo))
         return new
 
-    def attend(self, layer: int, q, k, v, fs: ForwardState, scale) -> torch.Tensor:
-        """:meth:`__call__` given the pass's state (the protocol of every runtime :func:`kascade.integration.hf.
-        attach` takes, with :meth:`begin`)."""
-        plan, step, sels = fs.plan, fs.step, fs.selections
+    def attend(self, layer: int, q, k, v, fwd: Forward, scale) -> torch.Tensor:
+        """:meth:`__call__` in a pass that :meth:`begin` planned (the protocol of every runtime
+        :func:`kascade.integration.hf.attach` takes, :class:`kascade.integration.runtime.Runtime`)."""
+        plan, step, sels = fwd.plan, fwd.step, fwd.selections
         for a in [a for a in sels if plan.last_reader(a) < layer]:
             del sels[a]  # no later layer reads it: free it before this layer allocates its own
         if plan.is_anchor(layer):
-            depth = plan.depth(layer) if plan.ranked else None
+            rank_factor = plan.rank_factor(layer) if plan.ranked else None
             if layer == 0:
                 if self.selector is None:
-                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, depth=depth)
+                    out, sel = ops.dense_select(q, k, v, scale=scale, step=step, rank_factor=rank_factor)
                 else:
                     out = ops.dense_attention(q, k, v, scale=scale, step=step)
                     sel = self.selector(q, k, scale=scale, step=step)
@@ -180,7 +191,7 @@ class Attention:
                     self._count(layer, None, step)
                 return out
             if self.selector is None:
-                sel = ops.select(q, k, scale=scale, step=step, depth=depth)
+                sel = ops.select(q, k, scale=scale, step=step, rank_factor=rank_factor)
             else:
                 sel = self.selector(q, k, scale=scale, step=step)
             sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
@@ -196,3 +207,7 @@ class Attention:
             tot = self.attended.setdefault(layer, [0, 0])
             tot[0] += att
             tot[1] += dense
+
+
+__getattr__ = _renamed.module_getattr(__name__, "one object holds a pass: its step, plan and selections",
+                                      ForwardState="Forward")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _renamed
+
 
 def _floor_mul(x, r: float):
     """``floor(r * x)`` in float64, for an int or an integer tensor."""
@@ -34,14 +36,14 @@ def _max(a, b):
     return b.clamp(min=a) if isinstance(b, torch.Tensor) else max(a, b)
 
 
-def scaled(count, scale: float, limit):
-    """A count at budget multiplier ``scale``: ``min(limit, round(scale * count))`` (halves round up), the keys a
+def at_factor(count, factor: float, limit):
+    """A count at budget multiplier ``factor``: ``min(limit, round(factor * count))`` (halves round up), the keys a
     layer with a per-layer budget keeps of a row whose faithful count is ``count`` and whose candidates number
-    ``limit``; at least one key when the row keeps any (a small scale never leaves a query without keys)."""
+    ``limit``; at least one key when the row keeps any (a small factor never leaves a query without keys)."""
     if isinstance(count, torch.Tensor):
-        c = torch.floor(count.double() * scale + 0.5).long()
+        c = torch.floor(count.double() * factor + 0.5).long()
         return _min(torch.maximum(c, count.clamp(max=1)), limit)
-    return _min(limit, max(math.floor(scale * count + 0.5), min(count, 1)))
+    return _min(limit, max(math.floor(factor * count + 0.5), min(count, 1)))
 
 
 @dataclass(frozen=True)
@@ -98,14 +100,19 @@ class Budget:
         first = (n - _min(n, queries)) // self.tile
         return first, (n - 1) // self.tile - first + 1
 
-    def row_counts(self, n, first_tile, rows: int, scale: float = 1.0) -> torch.Tensor:
+    @_renamed.keywords(_renamed.FACTOR, scale="factor")
+    def row_counts(self, n, first_tile, rows: int, factor: float = 1.0) -> torch.Tensor:
         """Keys each prefill row of a call keeps, ``[B, rows]`` int64: row ``r`` of sequence ``b`` is tile
         ``first_tile[b] + r`` (``n``, ``first_tile``: ``[B]`` integer tensors), keeping
-        ``scaled(prefill_tile(s, n), scale, s)`` keys, 0 for rows past the sequence's last tile."""
+        ``at_factor(prefill_tile(s, n), factor, s)`` keys, 0 for rows past the sequence's last tile."""
         s = (first_tile[:, None] + torch.arange(rows, device=first_tile.device)[None, :]) * self.tile
-        c = scaled(self.prefill_tile(s, n[:, None]), scale, s)
+        c = at_factor(self.prefill_tile(s, n[:, None]), factor, s)
         return torch.where(s < n[:, None], c, 0)
 
-    def decode_counts(self, n, scale: float = 1.0):
-        """Keys a decode query keeps at budget multiplier ``scale``: ``scaled(decode(n), scale, n)``."""
-        return scaled(self.decode(n), scale, n)
+    @_renamed.keywords(_renamed.FACTOR, scale="factor")
+    def decode_counts(self, n, factor: float = 1.0):
+        """Keys a decode query keeps at budget multiplier ``factor``: ``at_factor(decode(n), factor, n)``."""
+        return at_factor(self.decode(n), factor, n)
+
+
+__getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, scaled="at_factor")

@@ -227,7 +227,7 @@ def layer_fractions(plan: KascadePlan, length: int) -> list[float]:
     """Per layer, the fraction of ``length`` keys it attends (per-layer scales included; 1 for layer 0)."""
     plan = plan.for_length(length)
     b = plan.budget
-    return [1.0 if layer == 0 else float(b.decode_counts(length, plan.scale(layer))) / length
+    return [1.0 if layer == 0 else float(b.decode_counts(length, plan.layer_factor(layer))) / length
             for layer in range(plan.num_layers)]
 
 

@@ -6,8 +6,8 @@ runs on (reference or Triton), so the rules cost nothing beyond building it:
 
 - **head map** (the paper): KV head ``h`` of a reuse layer takes its anchor's head ``head_map[l][h]``
   (:func:`remap`; an identity map reuses the anchor's indices as they are).
-- **per-layer budgets** (``scale``): the anchors rank their keys (descending pooled probability) as deep as the
-  largest budget among the layers they serve; a layer attends the first ``round(scale * c)`` keys of its row's
+- **per-layer budgets** (``factor``): the anchors rank their keys (descending pooled probability) as deep as the
+  largest budget among the layers they serve; a layer attends the first ``round(factor * c)`` keys of its row's
   ranking (:func:`prefix`, ``c`` the row's faithful budget, counted by :meth:`kascade.ops.Step.counts`). The
   result is a *prefix view*: the Triton kernels cut each row themselves, the reference reads it as a set.
 - **sources** (any earlier anchor's head, or the union of two) and **sinks + recent** (the first keys and the most
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _renamed
 from .ops.selection import Selection, sort_padded
 from .ops.step import Step
 
@@ -90,10 +91,11 @@ def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEAD
     return sel if hm is None else sel.take_heads(hm)
 
 
-def prefix(sel: Selection, scale: float, step: Step) -> Selection:
-    """The first ``scaled(c, scale, candidates)`` keys of each row of the ranked ``sel``: a prefix view whose
-    counts come from the step (memoised per step and scale; device ops only in a graph-captured decode step)."""
-    counts, most = step.counts(scale)
+@_renamed.keywords(_renamed.FACTOR, scale="factor")
+def prefix(sel: Selection, factor: float, step: Step) -> Selection:
+    """The first ``at_factor(c, factor, candidates)`` keys of each row of the ranked ``sel``: a prefix view whose
+    counts come from the step (memoised per step and factor; device ops only in a graph-captured decode step)."""
+    counts, most = step.counts(factor)
     return sel.prefix(counts, min(sel.indices.shape[-1], most))
 
 
@@ -101,19 +103,19 @@ def layer_selection(plan: KascadePlan, layer: int, selections: dict[int, Selecti
                     heads: Heads = ALL_HEADS) -> Selection:
     """The keys ``layer`` attends: an anchor its own selection (``selections[layer]``), a reuse layer by the
     plan's rule from the anchors' selections. For a ranked plan the anchors' selections must be ranked
-    (:func:`kascade.ops.select` with ``depth=plan.depth(anchor)``). ``heads``: see :class:`Heads`."""
+    (:func:`kascade.ops.select` with ``rank_factor=plan.rank_factor(anchor)``). ``heads``: see :class:`Heads`."""
     if plan.is_anchor(layer):
         own = selections[layer]
         if heads.gathered:
             own = own.narrow_heads(heads.shard.start, heads.shard.count)
-        return prefix(own, plan.scale(layer), step) if plan.ranked else own
+        return prefix(own, plan.layer_factor(layer), step) if plan.ranked else own
     r = plan.reuse
     if r.sources is None and not r.recent:
         anchor = plan.anchor_of(layer)
         if anchor not in selections:
             raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
         sel = remap(plan, layer, selections[anchor], heads)
-        return prefix(sel, plan.scale(layer), step) if plan.ranked else sel
+        return prefix(sel, plan.layer_factor(layer), step) if plan.ranked else sel
     return merged(plan, layer, selections, step, heads)
 
 
@@ -178,7 +180,7 @@ def merged(plan: KascadePlan, layer: int, selections: dict[int, Selection], step
     ref = selections[pairs_per_head[0][0][0]]
     B, _, R, _ = ref.indices.shape
     dev = ref.indices.device
-    counts = step.counts(plan.scale(layer))[0].long().reshape(B, -1)  # [B, R]
+    counts = step.counts(plan.layer_factor(layer))[0].long().reshape(B, -1)  # [B, R]
     forced = None
     if plan.reuse.recent > 0:
         n = step.n

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _renamed
 from .budget import Budget
 from .ops import Selection
 
@@ -96,26 +97,27 @@ def bytes_per_index(backend: str) -> int:
     return 4 if backend == "triton" else 8
 
 
-def selection_shape(budget: Budget, keys: int, queries: int = 1, depth: float | None = None) -> tuple[int, int]:
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
+def selection_shape(budget: Budget, keys: int, queries: int = 1, rank_factor: float | None = None) -> tuple[int, int]:
     """``(rows, width)`` of the index rows one KV head of an anchor sends for a sequence with ``keys`` valid keys
     whose last ``queries`` are this step's queries (from :mod:`kascade.budget`). Decode (``queries == 1``): one row
-    of ``decode_counts(keys, depth)`` keys. Prefill: a row per query tile of the call, every row padded to the
+    of ``decode_counts(keys, rank_factor)`` keys. Prefill: a row per query tile of the call, every row padded to the
     widest (the last tile's count under the rolling budget): the tensor is rectangular, so the exchange sends
-    ``rows x width`` entries, not the sum of the rows' counts. ``depth``: the anchor's
-    :meth:`kascade.KascadePlan.depth` in a ranked plan (None: 1). For a batch, the selection is as wide and as tall
-    as its longest sequence's; for a static-cache decode step on the Triton backend, ``keys`` is the cache's
+    ``rows x width`` entries, not the sum of the rows' counts. ``rank_factor``: the anchor's
+    :meth:`kascade.KascadePlan.rank_factor` in a ranked plan (None: 1). For a batch, the selection is as wide and as
+    tall as its longest sequence's; for a static-cache decode step on the Triton backend, ``keys`` is the cache's
     capacity (its launch bound)."""
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
         raise ValueError(f"keys must be a positive integer, got {keys!r}")
     if isinstance(queries, bool) or not isinstance(queries, int) or not 1 <= queries <= keys:
         raise ValueError(f"queries must be an integer in 1..keys={keys}, got {queries!r}")
-    scale = 1.0 if depth is None else float(depth)
+    factor = 1.0 if rank_factor is None else float(rank_factor)
     if queries == 1:
-        return 1, int(budget.decode_counts(keys, scale))
+        return 1, int(budget.decode_counts(keys, factor))
     n = torch.tensor([keys])
     first, rows = budget.tiles(n, queries)
     rows = int(rows[0])
-    counts = budget.row_counts(n, first, rows, scale)
+    counts = budget.row_counts(n, first, rows, factor)
     return rows, int(counts.max()) if counts.numel() else 0
 
 
@@ -139,14 +141,14 @@ def exchange_bytes(ranks: int, *, batch: int, kv_heads: int, rows: int, width: i
 
 def step_exchange_bytes(plan: KascadePlan, ranks: int, *, batch: int, keys: int, queries: int = 1,
                         backend: str = "reference") -> int:
-    """:func:`exchange_bytes` of one forward step of ``plan`` (every anchor at its own depth; the sub-plan that
+    """:func:`exchange_bytes` of one forward step of ``plan`` (every anchor at its own rank factor; the sub-plan that
     serves ``keys``): ``batch`` sequences of ``keys`` valid keys each, the last ``queries`` of them this step's
     (1: decode), on ``backend``."""
     p = plan.for_length(keys)
     size = bytes_per_index(backend)
     total = 0
     for a in p.anchors:
-        rows, width = selection_shape(p.budget, keys, queries, p.depth(a) if p.ranked else None)
+        rows, width = selection_shape(p.budget, keys, queries, p.rank_factor(a) if p.ranked else None)
         total += exchange_bytes(ranks, batch=batch, kv_heads=p.fingerprint.num_kv_heads, rows=rows, width=width,
                                 index_bytes=size)
     return total

@@ -103,8 +103,8 @@ def test_calibrate_method_writes_that_variants_plan(tmp_path, default_model, mon
                "--k-min", "32", "--method", "any-anchor+layer-budget", "--out", str(out)])
     assert rc == 0
     plan = KascadePlan.load(out / "plan.json")
-    assert json.loads((out / "plan.json").read_text())["format"] == "kascade-plan/3"
-    assert plan.ranked and plan.reuse.sources is not None and plan.reuse.scale is not None and plan.k_min == 32
+    assert json.loads((out / "plan.json").read_text())["format"] == "kascade-plan/4"
+    assert plan.ranked and plan.reuse.sources is not None and plan.reuse.factor is not None and plan.k_min == 32
     assert len(plan.anchors) == 4
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(out), "--method", "magic"])

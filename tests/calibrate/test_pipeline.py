@@ -19,9 +19,9 @@ def test_measured_method_searches_then_allocates_budgets_on_a_tiny_model():
                                      budget=dict(k_min=40, tile=16), progress=False)
     # k_min 40 > tile 16: reuse layers attend selected keys (with k_min <= tile no prefill tile selects any, every
     # plan scores the same KL and the search and the budgets have nothing to measure)
-    assert len(plan.anchors) == 3 and plan.reuse.scale is not None and plan.reuse.sources is None and plan.k_min == 40
-    assert set(plan.reuse.scale) <= set(MEASURED_GRID) and abs(sum(plan.reuse.scale[1:]) - 5) < 1e-9
-    assert len(set(plan.reuse.scale[1:])) > 1, plan.reuse.scale  # the layers' measured sensitivities differ
+    assert len(plan.anchors) == 3 and plan.reuse.factor is not None and plan.reuse.sources is None and plan.k_min == 40
+    assert set(plan.reuse.factor) <= set(MEASURED_GRID) and abs(sum(plan.reuse.factor[1:]) - 5) < 1e-9
+    assert len(set(plan.reuse.factor[1:])) > 1, plan.reuse.factor  # the layers' measured sensitivities differ
     assert "measured budgets" in plan.source
     with pytest.raises(ValueError, match="needs development windows"):
         pipeline.plan_from_method("measured", model, {160: st}, 3)

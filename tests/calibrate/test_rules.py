@@ -1,4 +1,4 @@
-"""Rule plans from calibration statistics: sources, per-layer scales, rule names, length-aware plans."""
+"""Rule plans from calibration statistics: sources, per-layer budget factors, rule names, length-aware plans."""
 
 import pytest
 import torch
@@ -31,10 +31,10 @@ def test_any_anchor_sources_take_the_best_pair_over_all_earlier_anchors():
 
 
 
-def test_layer_scales_favour_dissimilar_layers_and_keep_the_mean():
+def test_layer_factors_favour_dissimilar_layers_and_keep_the_mean():
     st = _stats(1)
     plan = rules.plan_for_rule(FP, st, (0, 3), "faithful", budget=dict(k_min=8, tile=16))
-    sc = rules.layer_scales(st, plan)
+    sc = rules.layer_factors(st, plan)
     reuse = [b for b in range(6) if not plan.is_anchor(b)]
     assert sc[0] == 1.0 and sc[3] == 1.0
     assert abs(sum(sc[b] for b in reuse) / len(reuse) - 1.0) < 1e-3
@@ -52,7 +52,7 @@ def test_plan_for_rule_names_and_combinations():
         p = rules.plan_for_rule(FP, st, (0, 2, 4), rule)
         assert p.anchors == (0, 2, 4) and p.ranked == (rule != "faithful"), rule
     p = rules.plan_for_rule(FP, st, (0, 2, 4), "any-anchor+sinks+layer-budget")
-    assert p.reuse.sources is not None and p.reuse.recent == rules.RECENT and p.reuse.scale is not None
+    assert p.reuse.sources is not None and p.reuse.recent == rules.RECENT and p.reuse.factor is not None
     with pytest.raises(ValueError, match="unknown reuse rule"):
         rules.plan_for_rule(FP, st, (0, 2), "magic")
     with pytest.raises(ValueError, match="use one of them"):

@@ -123,8 +123,8 @@ def test_shipped_variants_serve_the_default_model(default_model):
     assert plans["faithful"].anchors != plans["default"].anchors  # the search moved an anchor
     assert not plans["faithful"].ranked and not plans["searched"].ranked and plans["default"].ranked
     assert plans["searched"].anchors == plans["default"].anchors  # the default = searched + per-layer budgets
-    scales = plans["default"].reuse.scale
-    assert scales[0] == 1.0 and abs(sum(scales[1:]) / (len(scales) - 1) - 1.0) < 1e-9  # same average budget
+    factors = plans["default"].reuse.factor
+    assert factors[0] == 1.0 and abs(sum(factors[1:]) / (len(factors) - 1) - 1.0) < 1e-9  # same average budget
     assert all(len(plans[v].anchors) == 6 for v in ("default", "searched", "faithful"))  # the paper's cost
     assert len(plans["fast"].anchors) < len(plans["balanced"].anchors) < 6  # faster named plans: fewer anchors
     assert "kascade-faithful" in available(model)

@@ -82,3 +82,25 @@ def test_an_enabled_model_can_be_deep_copied():
                                                                     tile=8)):
         twin = copy.deepcopy(model)
         assert torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def test_one_forward_holds_the_pass_from_its_geometry_to_the_anchors_selections():
+    """Layer 0 fills in the pass's Forward (its step plan and the plan serving it); the anchors' selections live on
+    it until no later layer reads them; a second pass on the same Forward starts afresh."""
+    model = tiny_model("llama")  # 4 layers
+    plan = KascadePlan.uniform(ModelFingerprint.from_model(model), 2, k_min=8, tile=8)  # anchors 0, 2
+    attn = kascade.Attention(plan, backend="reference")
+    q, k = torch.randn(1, 6, 10, 8), torch.randn(1, 2, 10, 8)
+    fwd = kascade.Forward()
+    assert fwd.step is None and fwd.plan is None and fwd.selections == {} and not fwd.begun
+    attn(0, q, k, k, fwd)
+    assert isinstance(fwd.step, kascade.ops.Step) and fwd.plan is plan and set(fwd.selections) == {0}
+    assert fwd.step.queries == 10 and fwd.step.meta is None  # a prefill: no decode metadata
+    attn(1, q, k, k, fwd)
+    attn(2, q, k, k, fwd)
+    assert set(fwd.selections) == {2}  # anchor 0's last reader was layer 1
+    step = fwd.step
+    attn(0, q, k, k, fwd)
+    assert fwd.step is not step and set(fwd.selections) == {0}
+    with pytest.raises(TypeError, match="'Forward', not 'ForwardState'"):
+        from kascade.attention import ForwardState  # noqa: F401

@@ -19,7 +19,7 @@ def _ids(n, batch=1, vocab=97, seed=0):
     return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_small_budget_changes_the_output_and_disable_restores_it(forward_states, op_calls):
+def test_small_budget_changes_the_output_and_disable_restores_it(forwards, op_calls):
     model = tiny_model("llama")
     ids = _ids(300)
     plan = KascadePlan.uniform(ModelFingerprint.from_model(model), 2, ratio=0.1, k_min=8, tile=16)
@@ -28,7 +28,7 @@ def test_small_budget_changes_the_output_and_disable_restores_it(forward_states,
         kascade.enable(model, plan)
         assert model.config._attn_implementation == "kascade"
         sparse = model(ids).logits
-        assert sorted(forward_states[-1].selections) == [2]  # layer 0's was dropped after its last reuse layer
+        assert sorted(forwards[-1].selections) == [2]  # layer 0's was dropped after its last reuse layer
         assert [n for n, *_ in op_calls] == ["dense_select", "sparse_attention", "select", "sparse_attention",
                                             "sparse_attention"]
         assert torch.equal(model(ids).logits, sparse)

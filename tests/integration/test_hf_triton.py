@@ -45,7 +45,7 @@ def _kernel_calls(monkeypatch):
     return calls
 
 
-def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forward_states):
+def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, forwards):
     model, plan = _model_and_plan()
     ids = _ids(2, sized(75), 1)
     mask = torch.ones_like(ids)
@@ -55,7 +55,7 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
             ref = model(ids, attention_mask=mask).logits
             ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
         calls = _kernel_calls(monkeypatch)
-        forward_states.clear()
+        forwards.clear()
         with kascade.enable(model, plan, backend="triton") as h:
             assert h.runtime.backend == "triton"
             got = model(ids, attention_mask=mask).logits
@@ -69,11 +69,11 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen)
     # the prefill of generate and 2 decode steps: one step plan each (plan / run split), with the decode metadata
-    steps = [fs.step for fs in forward_states[1:]]
+    steps = [fwd.step for fwd in forwards[1:]]
     assert [s.decode for s in steps] == [False, True, True] and all(s.meta is not None for s in steps[1:])
     assert all(s.backend == "triton" and s.index_dtype == torch.int32 for s in steps)
     # and the anchors' selections of those passes are made in it (decode included: the radix select writes int32)
-    kept = [sel for fs in forward_states[1:] for sel in fs.selections.values()]
+    kept = [sel for fwd in forwards[1:] for sel in fwd.selections.values()]
     assert len(kept) >= 3 and all(sel.indices.dtype == torch.int32 for sel in kept)
     assert calls.count("dense_select_decode") == 2 and calls.count("select_decode") == 4
     assert calls.count("sparse_decode") == 6
@@ -88,7 +88,7 @@ def test_triton_backend_refuses_what_it_cannot_run():
         kascade.enable(odd, backend="triton")
 
 
-def test_static_cache_decode_steps_stay_on_the_device(forward_states):
+def test_static_cache_decode_steps_stay_on_the_device(forwards):
     """With a static cache the Triton decode step is planned from device tensors (the CUDA-graph path) and
     generates what the reference generates with a dynamic cache."""
     from kascade.integration.graphs import GraphDecoder
@@ -98,14 +98,14 @@ def test_static_cache_decode_steps_stay_on_the_device(forward_states):
     ids = _ids(2, P, 2)
     with torch.no_grad(), kascade.enable(model, plan, backend="reference"):
         ref = model.generate(ids, max_new_tokens=4, do_sample=False)[:, P:]
-    forward_states.clear()
+    forwards.clear()
     with kascade.enable(model, plan, backend="triton"):
         dec = GraphDecoder(model, batch_size=2, max_cache_len=P + 10, use_graph=False)
         got = dec.generate(ids, max_new_tokens=4)
     assert torch.equal(got, ref)
     # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
-    assert [fs.step.on_device for fs in forward_states] == [False, True, True, True]
-    assert all(fs.step.meta.n == (P + 10, P + 10) for fs in forward_states[1:])  # launch bounds: the capacity
+    assert [fwd.step.on_device for fwd in forwards] == [False, True, True, True]
+    assert all(fwd.step.meta.n == (P + 10, P + 10) for fwd in forwards[1:])  # launch bounds: the capacity
 
 
 def _static_cache_logits(model, ids, feed, capacity, mask=None):
@@ -180,8 +180,8 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
     I = (0, 1, 2)
     # k_min 40 > tile: prefill rows keep min(s, 24) selected keys before scaling (with k_min = tile they keep none)
     plan = KascadePlan(fp, (0, 1, 3), (I, I, (2, 0, 1), I, (1, 1, 0)), ratio=0.1, k_min=40, tile=16)
-    plan = plan.with_reuse(scale=(1.0, 1.0, 1.6, 1.0, 0.5))
-    assert plan.ranked and plan.depth(1) == 1.6
+    plan = plan.with_reuse(factor=(1.0, 1.0, 1.6, 1.0, 0.5))
+    assert plan.ranked and plan.rank_factor(1) == 1.6
     P = sized(90)
     ids = _ids(2, P, 4)
     mask = torch.ones_like(ids)
@@ -190,11 +190,11 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
         with kascade.enable(model, plan, backend="reference"):
             ref = model(ids, attention_mask=mask).logits
             ref_gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-        depths = []
+        rank_factors = []
         from kascade.ops.triton import prefill
 
         orig = prefill.select_prefill
-        monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (depths.append(kw.get("depth")),
+        monkeypatch.setattr(prefill, "select_prefill", lambda *a, **kw: (rank_factors.append(kw.get("rank_factor")),
                                                                           orig(*a, **kw))[1])
         with kascade.enable(model, plan, backend="triton") as h:
             assert not h.runtime.host_geometry  # static-cache decode steps stay on the device
@@ -212,8 +212,8 @@ def test_per_layer_budget_plan_runs_on_the_kernels_like_the_reference(monkeypatc
             counted[backend] = dict(h.runtime.attended)
         torch.testing.assert_close(out[real := mask.bool()], ref[real], rtol=1e-4, atol=1e-4)
         assert counted["triton"] == counted["reference"] and counted["triton"][4][0] < counted["triton"][3][0] < counted["triton"][2][0]
-    # ranking depth per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
-    assert depths[:3] == [1.0, 1.6, 1.0]
+    # rank factor per anchor: layer 0 serves no reuse layer, anchor 1 serves layer 2 (x1.6), anchor 3 layer 4 (x0.5)
+    assert rank_factors[:3] == [1.0, 1.6, 1.0]
     real = mask.bool()
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
     assert torch.equal(gen, ref_gen) and torch.equal(static, ref_static)

@@ -194,7 +194,7 @@ def test_a_gpu_decode_steps_mask_check_is_read_after_its_last_layer(cache, monke
         assert torch.equal(step(left), want)
 
 
-def test_eager_decode_steps_are_planned_on_the_device(forward_states):
+def test_eager_decode_steps_are_planned_on_the_device(forwards):
     """generate's decode steps over a dynamic cache (a left-padded batch) are planned on the device like a static
     cache's, so the host reads nothing back before their layers run; they generate what a static cache does."""
     model = tiny_model("llama")
@@ -203,7 +203,7 @@ def test_eager_decode_steps_are_planned_on_the_device(forward_states):
     mask[1, :6] = 0
     with torch.no_grad(), kascade.enable(model, _plan(model)):
         dyn = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        steps = [fs.step for fs in forward_states]
+        steps = [fwd.step for fwd in forwards]
         sta = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                              cache_implementation="static")
     assert [s.on_device for s in steps] == [False, True, True, True]
@@ -341,7 +341,7 @@ def test_training_and_gradients_are_refused_clearly():
 def test_a_tiny_per_layer_scale_still_attends_a_key():
     """round(0.01 * k) is 0: the layer must keep at least one key (a query without keys outputs zeros)."""
     model = tiny_model("llama")
-    plan = _plan(model, k_min=16).with_reuse(scale=(1.0, 0.01, 1.0, 1.0))
+    plan = _plan(model, k_min=16).with_reuse(factor=(1.0, 0.01, 1.0, 1.0))
     from transformers import DynamicCache
 
     with torch.no_grad(), kascade.enable(model, plan, account=True) as h:

@@ -87,7 +87,7 @@ def test_triton_is_the_torch_runtime_through_dlpack(geo, ranked):
     B, HQ, H, D, N, L, q_offset, starts = geo
     plan = _plan(HQ, H, D, ratio=0.3, k_min=4, tile=16)
     if ranked:
-        plan = plan.with_reuse(scale=(1.0, 1.25, 1.0, 0.75, 1.5))
+        plan = plan.with_reuse(factor=(1.0, 1.25, 1.0, 0.75, 1.5))
     layers = _layers(geo, seed=N + L + 1)
     tdev = "cuda" if ON_GPU else "cpu"
     want = _torch_outputs(plan, layers, starts, q_offset, "triton", tdev)
@@ -111,7 +111,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         kj.Attention(plan, backend="cuda")
     with pytest.raises(ValueError, match="serves the paper's reuse rule.*use backend='triton'"):
-        kj.Attention(plan.with_reuse(scale=(1.0, 0.5, 1.0, 1.0, 1.0)))
+        kj.Attention(plan.with_reuse(factor=(1.0, 0.5, 1.0, 1.0, 1.0)))
     attn = kj.Attention(plan)
     with pytest.raises(TypeError, match="fwd must be a kascade.jax.Forward"):
         attn(0, q, k, v, kascade.Forward())

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from conftest import TEST_DEVICE, TEST_SCALE
-from kascade.budget import Budget, scaled
+from kascade.budget import Budget, at_factor
 from kascade.ops import reference
 from kascade.ops.selection import Selection
 from tolerance import assert_close_to_reference
@@ -235,15 +235,15 @@ def _check_row(row, ref, p, kb: int, limit: int, offset: int, ranked: bool, what
 
 
 def check_decode_selection(sel, want, pooled, kv_start, q_offset: int, budget: Budget, *, paged: bool, what: str,
-                           depth: float | None = None, rtol: float = 1e-4) -> tuple[int, int]:
+                           rank_factor: float | None = None, rtol: float = 1e-4) -> tuple[int, int]:
     """A decode selection (a kernel's, any device) against the reference's ``want`` (absolute slots): same shape,
     the reference's sets except where its pooled scores (``pooled``, :func:`pooled_decode_rows`) tie the k-th
-    largest within rounding; count, order, range and -1 padding exact. Paged: logical positions. ``depth``: a ranked
-    selection (``Budget.decode_counts(n, depth)`` keys, descending probability). Returns (keys selected, rows that
+    largest within rounding; count, order, range and -1 padding exact. Paged: logical positions. ``rank_factor``: a ranked
+    selection (``Budget.decode_counts(n, rank_factor)`` keys, descending probability). Returns (keys selected, rows that
     kept fewer keys than they had)."""
     sel = host_selection(sel)
     assert sel.decode and sel.indices.dtype == torch.long
-    assert sel.ranked == (depth is not None), f"{what}: ranked is {sel.ranked}"
+    assert sel.ranked == (rank_factor is not None), f"{what}: ranked is {sel.ranked}"
     assert sel.indices.shape == want.indices.shape, f"{what}: shape {tuple(sel.indices.shape)}"
     assert torch.equal(sel.row_start, torch.zeros_like(sel.row_start))
     B, H = sel.indices.shape[:2]
@@ -251,12 +251,12 @@ def check_decode_selection(sel, want, pooled, kv_start, q_offset: int, budget: B
     for b in range(B):
         start = int(kv_start[b])
         n = q_offset + 1 - start
-        kb = budget.decode(n) if depth is None else budget.decode_counts(n, depth)
+        kb = budget.decode(n) if rank_factor is None else budget.decode_counts(n, rank_factor)
         for h in range(H):
             # paged rows hold positions already: the reference's slots are shifted instead
             ref = want.indices[b, h, 0]
             ref = torch.where(ref >= 0, ref - start, -1) if paged else ref
-            _check_row(sel.indices[b, h, 0], ref, pooled[b][h], kb, n, 0 if paged else start, depth is not None,
+            _check_row(sel.indices[b, h, 0], ref, pooled[b][h], kb, n, 0 if paged else start, rank_factor is not None,
                        f"{what}: seq {b} head {h}", rtol)
             selected += kb
             strict += kb < n
@@ -264,15 +264,15 @@ def check_decode_selection(sel, want, pooled, kv_start, q_offset: int, budget: B
 
 
 def check_prefill_selection(sel, want, pooled, kv_start, q_offset: int, L: int, budget: Budget, what: str,
-                            depth: float | None = None, rtol: float = 1e-4) -> tuple[int, int]:
+                            rank_factor: float | None = None, rtol: float = 1e-4) -> tuple[int, int]:
     """A prefill selection (a kernel's, any device, int64) against the reference's ``want``: same row layout and -1
-    padding, each row's ``Budget.prefill_tile`` (or, ``depth``, ranked ``row_counts``) keys strictly before its tile,
+    padding, each row's ``Budget.prefill_tile`` (or, ``rank_factor``, ranked ``row_counts``) keys strictly before its tile,
     ascending (ranked: descending pooled probability), and the reference's sets except for keys whose reference score
     (``pooled``, :func:`pooled_prefill_rows`) ties the k-th largest within rounding; rows past a sequence's last tile
     all -1. Returns (keys selected, rows that kept fewer keys than they had); asserts some key was selected."""
     sel = host_selection(sel)
     assert not sel.decode and sel.tile == budget.tile and sel.indices.dtype == torch.long
-    assert sel.ranked == (depth is not None), f"{what}: ranked is {sel.ranked}"
+    assert sel.ranked == (rank_factor is not None), f"{what}: ranked is {sel.ranked}"
     assert sel.indices.shape == want.indices.shape, \
         f"{what}: shape {tuple(sel.indices.shape)} vs {tuple(want.indices.shape)}"
     assert torch.equal(sel.row_start, want.row_start.cpu()), f"{what}: row_start"
@@ -285,10 +285,10 @@ def check_prefill_selection(sel, want, pooled, kv_start, q_offset: int, L: int, 
         t_first = int(want.row_start[b])
         for r in range(pooled[b].shape[1]):
             s = (t_first + r) * T
-            kb = budget.prefill_tile(s, n) if depth is None else scaled(budget.prefill_tile(s, n), depth, s)
+            kb = budget.prefill_tile(s, n) if rank_factor is None else at_factor(budget.prefill_tile(s, n), rank_factor, s)
             for h in range(H):
                 _check_row(sel.indices[b, h, r], want.indices[b, h, r], pooled[b][h, r], kb, s, s0,
-                           depth is not None, f"{what}: seq {b} row {r} head {h}", rtol)
+                           rank_factor is not None, f"{what}: seq {b} row {r} head {h}", rtol)
                 selected += kb
                 strict += 0 < kb < s
         for r in range(pooled[b].shape[1], R):  # rows past this sequence's last tile

@@ -40,8 +40,8 @@ def test_every_op_is_registered_under_the_kascade_namespace():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("depth", [None, 1.5], ids=["set", "ranked"])
-def test_opcheck_decode_ops(backend, depth):
+@pytest.mark.parametrize("rank_factor", [None, 1.5], ids=["set", "ranked"])
+def test_opcheck_decode_ops(backend, rank_factor):
     if backend == "triton":
         pytest.importorskip("triton")
     q, k, v = _qkv(N=40)
@@ -49,10 +49,10 @@ def test_opcheck_decode_ops(backend, depth):
     meta = decode_meta(2, device=q.device, kv_start=[0, 7], q_offset=30, budget=BUDGET).tensor
     idx_dtype = torch.int32 if backend == "triton" else torch.long
     _opcheck("dense_decode", q, k, v, meta, 40, 0.25, backend)
-    _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, depth, idx_dtype, backend)
-    _opcheck("dense_select_decode", q, k, v, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, depth, idx_dtype, backend)
-    idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, depth, idx_dtype, backend)
-    counts = None if depth is None else dev(torch.tensor([3, 5], dtype=torch.int32))
+    _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
+    _opcheck("dense_select_decode", q, k, v, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
+    idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
+    counts = None if rank_factor is None else dev(torch.tensor([3, 5], dtype=torch.int32))
     _opcheck("sparse_decode", q, k, v, idx, counts, 0.25, backend)
 
 
@@ -84,8 +84,8 @@ def test_the_eager_call_and_the_registered_op_compute_the_same():
     assert all(torch.equal(a, b) for a, b in zip(direct, via_op))
 
 
-@pytest.mark.parametrize("depth", [None, 0.6, 1.8], ids=["set", "ranked-shallow", "ranked-deep"])
-def test_reference_decode_on_device_metadata_is_the_specification(depth):
+@pytest.mark.parametrize("rank_factor", [None, 0.6, 1.8], ids=["set", "ranked-shallow", "ranked-deep"])
+def test_reference_decode_on_device_metadata_is_the_specification(rank_factor):
     """The reference's decode forms over every slot of a static cache (the geometry in ``meta``) select the keys and
     compute the outputs of the per-sequence specification: a left-padded sequence, unused slots after the query."""
     B, N, slot = 3, 50, 41  # slots 42..49 are unused cache space
@@ -96,15 +96,15 @@ def test_reference_decode_on_device_metadata_is_the_specification(depth):
     host = plan_step(q, k, budget=BUDGET, kv_start=torch.tensor(kv_start), q_offset=slot)
     device = plan_step(q, k, budget=BUDGET, **dict(zip(("kv_start", "q_offset"), _static(N, kv_start, slot))))
     assert device.on_device and device.meta is not None and host.meta is None
-    want_out, want = dense_select(q, k, v, scale=0.3, step=host, depth=depth)
-    got_out, got = dense_select(q, k, v, scale=0.3, step=device, depth=depth)
+    want_out, want = dense_select(q, k, v, scale=0.3, step=host, rank_factor=rank_factor)
+    got_out, got = dense_select(q, k, v, scale=0.3, step=device, rank_factor=rank_factor)
     torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
     assert got.ranked == want.ranked and got.decode and got.indices.dtype == torch.long
     assert torch.equal(got.as_set().indices[..., :want.indices.shape[-1]], want.as_set().indices)
     assert (got.indices[..., want.indices.shape[-1]:] == -1).all()  # the width is the capacity's budget
-    assert torch.equal(select(q, k, scale=0.3, step=device, depth=depth).indices, got.indices)
+    assert torch.equal(select(q, k, scale=0.3, step=device, rank_factor=rank_factor).indices, got.indices)
     torch.testing.assert_close(dense_attention(q, k, v, scale=0.3, step=device), want_out, rtol=1e-12, atol=1e-12)
-    if depth is not None:  # a prefix view (a reuse layer with a smaller budget) reads the first counts entries
+    if rank_factor is not None:  # a prefix view (a reuse layer with a smaller budget) reads the first counts entries
         c_host, w_host = host.counts(0.5)
         c_dev, w_dev = device.counts(0.5)
         assert torch.equal(c_dev.cpu(), c_host.cpu())
@@ -126,7 +126,7 @@ def test_a_decode_step_planned_on_the_device_reads_nothing_back(monkeypatch):
                                                                                           _o(self, *a, **kw))[1])
     step = plan_step(q, k, budget=BUDGET, kv_start=kv_start, q_offset=slot)
     out, sel = dense_select(q, k, v, step=step)
-    sel2 = select(q, k, step=step, depth=2.0)
+    sel2 = select(q, k, step=step, rank_factor=2.0)
     sparse_attention(q, k, v, sel2.prefix(*step.counts(0.5)), step=step)
     monkeypatch.undo()
     assert reads == []

@@ -27,7 +27,7 @@ def _qkv(B=2, HQ=4, H=2, L=40, N=40, D=16, seed=0, dtype=torch.float32):
     (lambda q, k, v: dense_attention(q, k, v, kv_start=torch.tensor([0.0, 1.0])), "integers"),
     (lambda q, k, v: dense_attention(q, k, v, backend="cuda"), "unknown backend"),
     (lambda q, k, v: select(q, k, budget=0.1), "kascade.Budget"),
-    (lambda q, k, v: select(q, k, depth=0), "depth must be a positive number"),
+    (lambda q, k, v: select(q, k, rank_factor=0), "rank_factor must be a positive number"),
     (lambda q, k, v: sparse_attention(q, k, v, "rows"), "kascade.ops.Selection"),
     (lambda q, k, v: dense_attention(q, k.half(), v.half()), "one dtype"),
     (lambda q, k, v: dense_attention(q, k, v.double()), "one dtype"),
@@ -117,3 +117,16 @@ def test_a_decode_selection_may_name_every_valid_key_and_no_other():
     bad[1, 0, 0, 0] = 3  # before sequence 1's first valid key
     with pytest.raises(ValueError, match="not a key that row may attend"):
         sparse_attention(q, k, v, Selection(bad, sel.row_start, 8, True), kv_start=[0, 10])
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: select(q, k, budget=BUDGET, depth=1.5),
+    lambda q, k, v: dense_select(q, k, v, budget=BUDGET, depth=1.5),
+    lambda q, k, v: __import__("kascade.ops.reference", fromlist=["select"]).select(
+        q, k, budget=BUDGET, scale=0.25, kv_start=torch.zeros(2, dtype=torch.long), q_offset=0, depth=1.5),
+    lambda q, k, v: __import__("kascade.tensor_parallel", fromlist=["x"]).selection_shape(BUDGET, 40, 1, depth=1.5),
+], ids=["select", "dense_select", "reference.select", "selection_shape"])
+def test_a_ranked_selection_by_its_former_keyword_is_a_type_error_naming_rank_factor(call):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="'rank_factor', not 'depth'"):
+        call(q, k, v)

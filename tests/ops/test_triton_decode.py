@@ -192,7 +192,7 @@ def test_selection_covers_large_rows_and_many_chunks():
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
-    """depth=: the top round(depth * k_b) keys in descending pooled probability (-1 at the end). The radix path
+    """rank_factor=: the top round(rank_factor * k_b) keys in descending pooled probability (-1 at the end). The radix path
     (select, then sort only the selected) and the torch.topk path agree, and both match the reference pooling."""
     B, H, G, N, D = 2, 2, 3, 700, 64
     g = torch.Generator().manual_seed(11)
@@ -202,7 +202,7 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
     budget = Budget(ratio=0.1, k_min=16)
     scale = D**-0.5
     pooled = pooled_decode_rows(q, k, kv_start, N - 1, scale)
-    kw = dict(budget=budget, scale=scale, depth=1.7)
+    kw = dict(budget=budget, scale=scale, rank_factor=1.7)
     if paged:
         kp, bt, lens = paged_cache(k, kv_start, N, 32, g)
         kw.update(block_table=dev(bt), seq_lens=lens)
@@ -224,8 +224,8 @@ def test_ranked_selection_is_the_deeper_top_k_in_descending_probability(paged):
             assert p[-1] >= pooled[b][h].topk(kr).values[-1] * (1 - 1e-5), "not the top keys"
 
 
-@pytest.mark.parametrize("depth", [None, 1.7], ids=["sets", "ranked"])
-def test_int32_selections_hold_the_same_keys(depth):
+@pytest.mark.parametrize("rank_factor", [None, 1.7], ids=["sets", "ranked"])
+def test_int32_selections_hold_the_same_keys(rank_factor):
     """index_dtype=torch.int32 (what the runtime's Triton steps ask for): the same keys as int64, from both top-k
     methods, contiguous with left padding and paged; the sparse kernel reads either to the same output."""
     B, H, G, N, D = 2, 2, 3, 500, 64
@@ -236,7 +236,7 @@ def test_int32_selections_hold_the_same_keys(depth):
     kp, bt, lens = paged_cache(k, kv_start, N, 32, g)
     for kw, kk in ((dict(kv_start=kv_start, q_offset=N - 1), k), (dict(block_table=dev(bt), seq_lens=lens), kp)):
         for method in ("radix", "topk"):
-            sel = {dt: td.select_decode(dev(q), dev(kk), budget=budget, scale=D**-0.5, method=method, depth=depth,
+            sel = {dt: td.select_decode(dev(q), dev(kk), budget=budget, scale=D**-0.5, method=method, rank_factor=rank_factor,
                                         index_dtype=dt, **kw).indices for dt in (torch.long, torch.int32)}
             assert sel[torch.int32].dtype == torch.int32 and sel[torch.long].dtype == torch.long
             assert torch.equal(sel[torch.int32].cpu().long(), sel[torch.long].cpu()), method

@@ -11,7 +11,7 @@ and off, and the launcher's options:
 
 * decode (L = 1): contiguous KV or paged KV (random page sizes, block tables in random page order), the metadata
   built by the launcher, planned on the host or planned on the device (a static cache: launch bounds above the
-  lengths), split-K counts, key blocks, radix chunks, radix / torch.topk selection, ranked selections with depth,
+  lengths), split-K counts, key blocks, radix chunks, radix / torch.topk selection, ranked selections with rank_factor,
   sparse attention over sorted rows, ranked rows, or prefixes of ranked rows (per-sequence ``counts``);
 * prefill (L > 1): whole prompts and chunked calls (a cached prefix, q_offset > 0), left-padded batches with
   sequences whose padding covers some of the call's queries, row and key blocks, the LSE given or computed, score
@@ -37,7 +37,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from kascade.budget import Budget, scaled  # noqa: E402
+from kascade.budget import Budget, at_factor  # noqa: E402
 from kascade.ops import reference  # noqa: E402
 from kascade.ops.selection import Selection  # noqa: E402
 from kascade.ops.step import decode_meta, decode_meta_static  # noqa: E402
@@ -168,7 +168,7 @@ def _options(rng: random.Random, op: str) -> dict:
             o["method"] = pick(("radix", "topk"))
             if op != "anchor_decode":
                 o["chunk"] = pick((None, 32, 64)) if o["method"] == "radix" else None
-                o["depth"] = pick((None, None, 0.5, 1.0, 1.7, 3.0))
+                o["rank_factor"] = pick((None, None, 0.5, 1.0, 1.7, 3.0))
         if op != "select_decode":
             o["out"] = rng.random() < 0.7
     else:
@@ -179,7 +179,7 @@ def _options(rng: random.Random, op: str) -> dict:
         if op in ("select_prefill", "dense_select_prefill", "anchor_prefill"):
             o["chunk_bytes"] = pick((None, 1, "few"))
         if op in ("select_prefill", "dense_select_prefill"):
-            o["depth"] = pick((None, None, 0.5, 1.0, 1.7))
+            o["rank_factor"] = pick((None, None, 0.5, 1.0, 1.7))
             o["int32"] = rng.random() < 0.4
         if op == "select_prefill":
             o["lse"] = pick(("given", "own"))
@@ -188,33 +188,33 @@ def _options(rng: random.Random, op: str) -> dict:
         o["rows"] = pick(("sorted", "ranked", "prefix"))
         o["int32"] = rng.random() < 0.5
         if o["rows"] == "ranked":
-            o["depth"] = pick((1.0, 1.6))  # the ranked rows' depth
+            o["rank_factor"] = pick((1.0, 1.6))  # the ranked rows' rank factor
         elif o["rows"] == "prefix":
             o["keep"] = pick((0.4, 0.8, 1.0, 1.3))  # the counts' budget multiplier
-            o["depth"] = max(o["keep"], pick((1.0, 1.6)))
+            o["rank_factor"] = max(o["keep"], pick((1.0, 1.6)))
     return o
 
 
-def _row_counts(case: Case, scale: float | None) -> list[tuple[int, int]]:
-    """(keys kept, candidates) of every selection row of the case, at budget multiplier ``scale``."""
+def _row_counts(case: Case, factor: float | None) -> list[tuple[int, int]]:
+    """(keys kept, candidates) of every selection row of the case, at budget multiplier ``factor``."""
     bud, rows = case.budget, []
     for s0 in case.kv_start:
         n = case.q_offset + case.L - s0
         if case.L == 1:
-            rows.append((bud.decode(n) if scale is None else bud.decode_counts(n, scale), n))
+            rows.append((bud.decode(n) if factor is None else bud.decode_counts(n, factor), n))
             continue
         first, count = bud.tiles(n, case.L)
         for t in range(first, first + count):
             c = bud.prefill_tile(t * bud.tile, n)
-            rows.append((c if scale is None else scaled(c, scale, t * bud.tile), t * bud.tile))
+            rows.append((c if factor is None else at_factor(c, factor, t * bud.tile), t * bud.tile))
     return rows
 
 
 def _selects(case: Case) -> bool:
     """Whether some row of the case's selection keeps some but not all of its candidates."""
     o = case.opts
-    scale = o.get("keep") if o.get("rows") == "prefix" else o.get("depth")
-    return any(0 < c < m for c, m in _row_counts(case, scale))
+    factor = o.get("keep") if o.get("rows") == "prefix" else o.get("rank_factor")
+    return any(0 < c < m for c, m in _row_counts(case, factor))
 
 
 def draw(index: int) -> Case:
@@ -250,7 +250,7 @@ CASES = [draw(i) for i in range(COUNT)]
 # Cases that fail for a known property of a kernel, by id (drawn on the CPU's scale), expected to fail until the kernel
 # changes: strict, so a fixed kernel fails them as XPASS and asks for their removal.
 KNOWN_FAILURES = {
-    "197-dense_select_prefill-B2-H1-G1-D16-bf16-N174-L8-off166-T32-r0.7-kmin3-rolling-chunk_bytes=few-depth=1.7"
+    "197-dense_select_prefill-B2-H1-G1-D16-bf16-N174-L8-off166-T32-r0.7-kmin3-rolling-chunk_bytes=few-rank_factor=1.7"
     "-seed251216588": "the prefill kernels round the softmax weights to the value dtype before p @ v (decode keeps "
                       "them as two bf16 parts): here a bf16 output of a query with 2 keys rounds to the other "
                       "neighbour, 2.6x the bf16 reference's error against the exact result of the same inputs",
@@ -299,8 +299,8 @@ class Inputs:
         return (reference.sparse_attention(q.double(), k.double(), v.double(), sel, **self.pos),
                 reference.sparse_attention(q, k, v, sel, **self.pos))
 
-    def select(self, depth=None) -> Selection:
-        return reference.select(self.q, self.k, budget=self.case.budget, depth=depth, **self.pos)
+    def select(self, rank_factor=None) -> Selection:
+        return reference.select(self.q, self.k, budget=self.case.budget, rank_factor=rank_factor, **self.pos)
 
     # -- kernel-side arguments -----------------------------------------------------------------------------------
     def decode_layout(self, meta_kind: str = "args", budget: Budget | None = None) -> dict:
@@ -399,34 +399,34 @@ def run_dense_decode(c: Case, x: Inputs) -> None:
     check_close(got, exact, lowp, "dense_decode")
 
 
-def _decode_selection(c: Case, x: Inputs, sel: Selection, want: Selection, depth, what: str) -> Selection:
+def _decode_selection(c: Case, x: Inputs, sel: Selection, want: Selection, rank_factor, what: str) -> Selection:
     sel = host_selection(sel)
     if c.opts.get("meta") == "static":
         sel = _trim(sel, want.indices.shape[-1])
     pooled = pooled_decode_rows(x.q, x.k, x.kv_start, c.q_offset, x.scale)
     _check_selects(check_decode_selection(sel, want, pooled, x.kv_start, c.q_offset, c.budget, paged=bool(x.page),
-                                          what=what, depth=depth), what)
+                                          what=what, rank_factor=rank_factor), what)
     return sel
 
 
 def run_select_decode(c: Case, x: Inputs) -> None:
     o = c.opts
-    depth = o["depth"]
+    rank_factor = o["rank_factor"]
     with poisoned_allocations():
         sel = td.select_decode(x.qd, x.kd, budget=c.budget, scale=x.scale, method=o["method"], chunk=o["chunk"],
-                               depth=depth, **x.decode_layout(o["meta"], c.budget), **_decode_cfg(o))
-    _decode_selection(c, x, sel, x.select(depth), depth, "select_decode")
+                               rank_factor=rank_factor, **x.decode_layout(o["meta"], c.budget), **_decode_cfg(o))
+    _decode_selection(c, x, sel, x.select(rank_factor), rank_factor, "select_decode")
 
 
 def run_dense_select_decode(c: Case, x: Inputs) -> None:
     o = c.opts
-    depth = o["depth"]
+    rank_factor = o["rank_factor"]
     with poisoned_allocations():
         out, sel = td.dense_select_decode(x.qd, x.kd, x.vd, budget=c.budget, scale=x.scale, method=o["method"],
-                                          chunk=o["chunk"], depth=depth, **x.decode_layout(o["meta"], c.budget),
+                                          chunk=o["chunk"], rank_factor=rank_factor, **x.decode_layout(o["meta"], c.budget),
                                           **x.out(), **_decode_cfg(o))
     check_close(out, *x.dense(), "dense_select_decode output")
-    _decode_selection(c, x, sel, x.select(depth), depth, "dense_select_decode selection")
+    _decode_selection(c, x, sel, x.select(rank_factor), rank_factor, "dense_select_decode selection")
 
 
 def run_anchor_decode(c: Case, x: Inputs) -> None:
@@ -445,7 +445,7 @@ def _sparse_rows(c: Case, x: Inputs):
     if o["rows"] == "sorted":
         sel, counts = x.select(), None
     else:
-        sel = x.select(o["depth"])
+        sel = x.select(o["rank_factor"])
         counts = None
         if o["rows"] == "prefix":
             n = c.q_offset + c.L - x.kv_start
@@ -471,11 +471,11 @@ def run_sparse_decode(c: Case, x: Inputs) -> None:
 
 
 # -- prefill -------------------------------------------------------------------------------------------------------
-def _prefill_selection(c: Case, x: Inputs, sel: Selection, depth, int32: bool, what: str) -> Selection:
+def _prefill_selection(c: Case, x: Inputs, sel: Selection, rank_factor, int32: bool, what: str) -> Selection:
     sel = _int32(host_selection(sel), int32)
     pooled = pooled_prefill_rows(x.q, x.k, x.kv_start, c.q_offset, x.scale, c.budget.tile)
-    _check_selects(check_prefill_selection(sel, x.select(depth), pooled, x.kv_start, c.q_offset, c.L, c.budget,
-                                           what, depth=depth), what)
+    _check_selects(check_prefill_selection(sel, x.select(rank_factor), pooled, x.kv_start, c.q_offset, c.L, c.budget,
+                                           what, rank_factor=rank_factor), what)
     return sel
 
 
@@ -507,21 +507,21 @@ def run_select_prefill(c: Case, x: Inputs) -> None:
     with poisoned_allocations():
         if o["lse"] == "given":
             kw["lse"] = tp.prefill_lse(x.qd, x.kd, **x.pos)
-        sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, depth=o["depth"], method=o["method"],
+        sel = tp.select_prefill(x.qd, x.kd, budget=c.budget, rank_factor=o["rank_factor"], method=o["method"],
                                 index_dtype=torch.int32 if o["int32"] else None, **x.pos, **kw)
-    _prefill_selection(c, x, sel, o["depth"], o["int32"],
+    _prefill_selection(c, x, sel, o["rank_factor"], o["int32"],
                        f"select_prefill ({o['lse']} LSE, {o['method']}, {o['scoring']} scoring)")
 
 
 def run_dense_select_prefill(c: Case, x: Inputs) -> None:
     o = c.opts
     with poisoned_allocations():
-        out, sel = tp.dense_select_prefill(x.qd, x.kd, x.vd, budget=c.budget, depth=o["depth"],
+        out, sel = tp.dense_select_prefill(x.qd, x.kd, x.vd, budget=c.budget, rank_factor=o["rank_factor"],
                                            index_dtype=torch.int32 if o["int32"] else None, **x.pos,
                                            **_chunk_bytes(c))
     check_close(out, *x.dense(), "dense_select_prefill output", floor=1e-5)
     _check_padding_zeros(out, x, "dense_select_prefill output")
-    _prefill_selection(c, x, sel, o["depth"], o["int32"], "dense_select_prefill selection")
+    _prefill_selection(c, x, sel, o["rank_factor"], o["int32"], "dense_select_prefill selection")
 
 
 def run_anchor_prefill(c: Case, x: Inputs) -> None:

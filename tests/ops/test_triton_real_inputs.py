@@ -34,10 +34,10 @@ class _Capture(DenseRuntime):
     def __init__(self):
         self.qk = {}
 
-    def attend(self, layer, q, k, v, fs, scale):
+    def attend(self, layer, q, k, v, fwd, scale):
         if layer in LAYERS:
             self.qk[layer] = (q.detach().clone(), k.detach().clone())
-        return super().attend(layer, q, k, v, fs, scale)
+        return super().attend(layer, q, k, v, fwd, scale)
 
 
 @pytest.fixture(scope="module")

@@ -87,9 +87,9 @@ def _selection_elems(plan: KascadePlan, batch: int, length: int, chunk: int) -> 
     it drops the selections no later layer reads): the most anchors still read at any layer, plus one remapped
     copy, each ``[B, H, rows, width]`` with ``width`` the budget ``k(L)`` as deep as ranked anchors keep it."""
     live = max(sum(1 for a in plan.anchors if a <= layer <= plan.last_reader(a)) for layer in range(plan.num_layers))
-    depth = max(plan.depth(a) for a in plan.anchors) if plan.ranked else 1.0
+    rank_factor = max(plan.rank_factor(a) for a in plan.anchors) if plan.ranked else 1.0
     rows = -(-chunk // plan.tile) + 1  # a chunk that starts inside a tile has one row more
-    width = math.ceil(plan.budget.k(length) * depth)
+    width = math.ceil(plan.budget.k(length) * rank_factor)
     return (live + 1) * batch * plan.fingerprint.num_kv_heads * rows * width
 
 

@@ -10,7 +10,7 @@ One algorithm per module:
                     ``plan_for_rule``, ``length_plan``.
 - :mod:`.search`:   anchors by measured KL against dense on development windows: ``search_anchors``, ``searched_plan``.
 - :mod:`.budgets`:  per-layer budgets from each layer's measured sensitivity: ``layer_sensitivity``,
-                    ``allocate_scales``, ``measured_budget_plan``.
+                    ``allocate_factors``, ``measured_budget_plan``.
 - :mod:`.pipeline`: `kascade calibrate`: windows, statistics, one plan per method, the files written.
 - :mod:`.plots`:    the similarity heatmap and the importance curve.
 
@@ -20,10 +20,11 @@ One algorithm per module:
 Measured scores come from :mod:`kascade.fidelity` (teacher-forced comparison against dense).
 """
 
+from .. import _renamed
 from ..text import load_texts
 from .budgets import (
     MEASURED_GRID,
-    allocate_scales,
+    allocate_factors,
     layer_sensitivity,
     measured_budget_plan,
     monotone_costs,
@@ -42,7 +43,7 @@ from .rules import (
     RECENT,
     RULES,
     SINKS,
-    layer_scales,
+    layer_factors,
     length_plan,
     plan_for_rule,
     ranked_sources,
@@ -58,8 +59,12 @@ from .stats import (
 
 __all__ = [
     "ALPHA", "DEFAULT_K", "MEASURED_GRID", "METHODS", "RECENT", "RULES", "SINKS", "CalibrationStats", "Settings",
-    "StatsRecorder", "allocate_scales", "choose_anchors", "collect_stats", "dev_windows", "dp_anchors", "head_maps",
-    "layer_scales", "layer_sensitivity", "layer_weights", "length_plan", "load_texts", "measured_budget_plan",
+    "StatsRecorder", "allocate_factors", "choose_anchors", "collect_stats", "dev_windows", "dp_anchors", "head_maps",
+    "layer_factors", "layer_sensitivity", "layer_weights", "length_plan", "load_texts", "measured_budget_plan",
     "min_window_tokens", "monotone_costs", "objective_table", "plan_for_rule", "plan_from_method", "plan_from_stats",
     "ranked_sources", "search_anchors", "searched_plan",
 ]
+
+
+__getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, allocate_scales="allocate_factors",
+                                     layer_scales="layer_factors")

@@ -1,9 +1,9 @@
 """Measured per-layer budgets: each layer's sensitivity to its budget, then the allocation that minimises it.
 
 ``layer_sensitivity`` measures the KL against dense of a plan with one layer's budget multiplier changed at a time
-(any scorer with ``scorer(plan)["kl"]``, e.g. :class:`kascade.fidelity.DenseReference`); ``allocate_scales`` picks
+(any scorer with ``scorer(plan)["kl"]``, e.g. :class:`kascade.fidelity.DenseReference`); ``allocate_factors`` picks
 one multiplier of the grid per layer minimising the summed changes at the same mean budget, by an exact dynamic
-program over the budget; ``measured_budget_plan`` applies it to the plan (``plan.reuse.scale``).
+program over the budget; ``measured_budget_plan`` applies it to the plan (``plan.reuse.factor``).
 
     sens = layer_sensitivity(DenseReference(model, dev_windows), plan)
     plan = measured_budget_plan(plan, sens)
@@ -15,24 +15,25 @@ import dataclasses
 
 from tqdm.auto import tqdm
 
+from .. import _renamed
 from ..plan import KascadePlan
 
 MEASURED_GRID = (0.5, 1.0, 1.5, 2.0)  # anchors then rank at most 2x deep
 
 
-def _with_scales(plan: KascadePlan, scales: dict[int, float]) -> KascadePlan:
+def _with_factors(plan: KascadePlan, factors: dict[int, float]) -> KascadePlan:
     L = plan.num_layers
-    return plan.with_reuse(scale=tuple(float(scales.get(l, 1.0)) for l in range(L)))
+    return plan.with_reuse(factor=tuple(float(factors.get(l, 1.0)) for l in range(L)))
 
 
 def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress: bool = True, log=None) -> dict:
-    """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "current": {layer: scale},
-    "kl": {layer: {scale: kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``scale`` of
-    ``grid`` but the layer's current one (``plan``'s reuse scale, 1 without it; the other layers keep theirs)."""
+    """Measured KL of ``plan`` with one layer's budget changed at a time: ``{"base": kl, "current": {layer: factor},
+    "kl": {layer: {factor: kl}}}`` for every layer 1..L-1 (anchors too: their own sets) and every ``factor`` of
+    ``grid`` but the layer's current one (``plan``'s reuse factor, 1 without it; the other layers keep theirs)."""
     if plan.reuse.sources is not None or plan.reuse.recent > 0 or plan.by_length:
         raise ValueError("layer_sensitivity takes a plan with anchors and head map only (no sources / sinks / "
                          "sub-plans per length)")
-    cur = {l: plan.scale(l) for l in range(plan.num_layers)}
+    cur = {l: plan.layer_factor(l) for l in range(plan.num_layers)}
     base = scorer(plan)["kl"]
     layers = range(1, plan.num_layers)
     todo = {l: [s for s in grid if s != cur[l]] for l in layers}
@@ -41,7 +42,7 @@ def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress
     for l in layers:
         table[l] = {}
         for s in todo[l]:
-            table[l][s] = scorer(_with_scales(plan, {**cur, l: s}))["kl"]
+            table[l][s] = scorer(_with_factors(plan, {**cur, l: s}))["kl"]
             bar.update(1)
         if log:
             log(f"    sensitivity layer {l} (at {cur[l]}x): " +
@@ -51,9 +52,9 @@ def layer_sensitivity(scorer, plan: KascadePlan, grid=MEASURED_GRID, *, progress
 
 
 def monotone_costs(sens: dict, grid=MEASURED_GRID) -> dict[int, dict[float, float]]:
-    """Per layer and scale of ``grid``, the measured KL change against the base plan (0 at the layer's current
-    scale, ``sens["current"]``, 1 if absent), made monotone: more keys never cost fidelity (above the current scale
-    a scale's change is at most the next smaller one's, and at most 0; below it at least the next larger one's, and
+    """Per layer and factor of ``grid``, the measured KL change against the base plan (0 at the layer's current
+    factor, ``sens["current"]``, 1 if absent), made monotone: more keys never cost fidelity (above the current factor
+    a factor's change is at most the next smaller one's, and at most 0; below it at least the next larger one's, and
     at least 0). A measured change against that order is noise of the finite windows, and the allocation would
     otherwise spend budget on it."""
     out = {}
@@ -88,7 +89,7 @@ def allocations(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float 
     costs = monotone_costs(sens, grid)
     missing = [(l, s) for l in layers for s in grid if s not in costs.get(l, {})]
     if missing:
-        raise ValueError(f"the sensitivity table has no measurement for (layer, scale) {missing[:4]}")
+        raise ValueError(f"the sensitivity table has no measurement for (layer, factor) {missing[:4]}")
 
     # best[c] = (cost, choices) over the layers so far using c units
     best = {0: (0.0, ())}
@@ -103,9 +104,9 @@ def allocations(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float 
     return {c: (1.0, *(float(s) for s in ch)) for c, (_, ch) in best.items()}
 
 
-def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5,
+def allocate_factors(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: float = 0.5,
                     total: int | None = None) -> tuple[float, ...]:
-    """:func:`allocations` at one total: the scales over layers 1..L-1 summing to exactly ``total`` units of ``unit``
+    """:func:`allocations` at one total: the factors over layers 1..L-1 summing to exactly ``total`` units of ``unit``
     (default: a mean of 1, the same average budget)."""
     table = allocations(sens, num_layers, grid, unit=unit)
     n = num_layers - 1
@@ -119,13 +120,17 @@ def allocate_scales(sens: dict, num_layers: int, grid=MEASURED_GRID, *, unit: fl
     return table[total]
 
 
-def budgeted_plan(plan: KascadePlan, scales, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
-    """``plan`` with per-layer budget multipliers ``scales`` (one per layer) chosen from ``sens`` over ``grid``."""
-    return dataclasses.replace(plan.with_reuse(scale=scales), source=source or (
+@_renamed.keywords(_renamed.FACTOR, scales="factors")
+def budgeted_plan(plan: KascadePlan, factors, sens: dict, grid=MEASURED_GRID, source: str = "") -> KascadePlan:
+    """``plan`` with per-layer budget multipliers ``factors`` (one per layer) chosen from ``sens`` over ``grid``."""
+    return dataclasses.replace(plan.with_reuse(factor=factors), source=source or (
         f"{plan.source}; per-layer budgets from measured sensitivity (grid {list(grid)}, base KL {sens['base']:.4f})"))
 
 
 def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, source: str = "",
                          total: int | None = None) -> KascadePlan:
-    """``plan`` with per-layer budgets from :func:`allocate_scales` over ``grid`` (``total``: its sum of units)."""
-    return budgeted_plan(plan, allocate_scales(sens, plan.num_layers, grid, total=total), sens, grid, source)
+    """``plan`` with per-layer budgets from :func:`allocate_factors` over ``grid`` (``total``: its sum of units)."""
+    return budgeted_plan(plan, allocate_factors(sens, plan.num_layers, grid, total=total), sens, grid, source)
+
+
+__getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, allocate_scales="allocate_factors")

@@ -43,7 +43,7 @@ def largest_within(base: KascadePlan, sens: dict, s, grid=MEASURED_GRID) -> tupl
 def joint_plan(model, stats, windows, s, most: int, *, span: int = 2, progress: bool = True,
                log=print) -> tuple[KascadePlan, list[dict]]:
     """The most faithful plan (lowest KL on ``windows``) among the candidates of ``most`` .. ``most - span`` anchors
-    (module docstring), and every candidate tried: ``{anchors, mean_scale, kl, speedups}``."""
+    (module docstring), and every candidate tried: ``{anchors, mean_factor, kl, speedups}``."""
     scorer = DenseReference(model, windows)
     candidates = []  # (row, plan)
     for a in range(most, max(1, most - span) - 1, -1):
@@ -54,9 +54,9 @@ def joint_plan(model, stats, windows, s, most: int, *, span: int = 2, progress: 
         if plan is None:
             log(f"  {a} anchors: no per-layer budgets of the grid meet {s.target_speedup:g}x")
             continue
-        row = dict(anchors=list(plan.anchors), mean_scale=total * UNIT / max(1, plan.num_layers - 1),
+        row = dict(anchors=list(plan.anchors), mean_factor=total * UNIT / max(1, plan.num_layers - 1),
                    kl=scorer(plan)["kl"], speedups=target.speedups(plan, s))
-        log(f"  {a} anchors {row['anchors']}, mean budget x{row['mean_scale']:.2f}: KL {row['kl']:.4f} ("
+        log(f"  {a} anchors {row['anchors']}, mean budget x{row['mean_factor']:.2f}: KL {row['kl']:.4f} ("
             + ", ".join(f"{m} {x:.2f}x" for m, x in row["speedups"].items()) + ")")
         candidates.append((row, plan))
     if not candidates:
@@ -65,5 +65,5 @@ def joint_plan(model, stats, windows, s, most: int, *, span: int = 2, progress: 
     row, best = min(candidates, key=lambda c: c[0]["kl"])
     note = (f"; anchors and per-layer budgets searched together for {s.target_speedup:g}x ({s.speedup_mode}): "
             f"{len(candidates)} candidates of {max(1, most - span)}..{most} anchors, lowest KL {row['kl']:.4f} "
-            f"at mean budget x{row['mean_scale']:.2f}")
+            f"at mean budget x{row['mean_factor']:.2f}")
     return dataclasses.replace(best, source=best.source + note), [r for r, _ in candidates]

@@ -432,7 +432,7 @@ def report(r: dict) -> str:
         x = ", ".join(f"{m} {v:.2f}x" for m, v in row["speedups"].items())
         mark = " <- chosen" if row["anchors"] == list(plan.anchors) else ""
         lines.append(f"joint search: {len(row['anchors'])} anchors {row['anchors']}, mean budget "
-                     f"x{row['mean_scale']:.2f}: dev KL {row['kl']:.4f} ({x}){mark}")
+                     f"x{row['mean_factor']:.2f}: dev KL {row['kl']:.4f} ({x}){mark}")
     if s is not None:
         lines.append(target.report_line(plan, s))
     lines.append(f"wrote {r['out'] / 'plan.json'}, stats.json, objective.csv"

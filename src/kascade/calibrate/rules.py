@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .. import _renamed
 from ..plan import KascadePlan, ModelFingerprint
 from .dp import dp_anchors, head_maps
 from .stats import CalibrationStats
 
 RULES = ("faithful", "any-anchor", "union2", "sinks", "layer-budget")
 SINKS, RECENT = 4, 0.5
-ALPHA, SCALE_RANGE = 1.0, (0.5, 2.0)
+ALPHA, FACTOR_RANGE = 1.0, (0.5, 2.0)
 
 
 def fingerprint(model_or_fp) -> ModelFingerprint:
@@ -56,8 +57,8 @@ def ranked_sources(stats: CalibrationStats, anchors, count: int = 1, nearest_onl
     return tuple(rows)
 
 
-def layer_scales(stats: CalibrationStats, plan: KascadePlan, alpha: float = ALPHA,
-                 clip: tuple[float, float] = SCALE_RANGE) -> tuple[float, ...]:
+def layer_factors(stats: CalibrationStats, plan: KascadePlan, alpha: float = ALPHA,
+                 clip: tuple[float, float] = FACTOR_RANGE) -> tuple[float, ...]:
     """Per-layer budget multipliers for ``plan``'s anchors and sources (the ``layer-budget`` rule, module docstring)."""
     L = plan.num_layers
     reuse = [b for b in range(L) if not plan.is_anchor(b)]
@@ -120,7 +121,7 @@ def plan_for_rule(model_or_fp, stats: CalibrationStats, anchors, rule: str = "fa
     if changes:
         plan = plan.with_reuse(**changes)
     if "layer-budget" in parts:
-        plan = plan.with_reuse(scale=layer_scales(stats, plan, alpha))
+        plan = plan.with_reuse(factor=layer_factors(stats, plan, alpha))
     return plan
 
 
@@ -141,3 +142,6 @@ def length_plan(model_or_fp, stats_by_length: dict[int, CalibrationStats], num_a
     src = "length-aware: " + "; ".join(f"N <= {m}: {list(p.anchors)}" for m, p in zip(bounds, plans)) + \
           f"; longer: {list(top.anchors)} ({rule}, calibrated at {lengths} tokens)"
     return dataclasses.replace(top, by_length=tuple(zip(bounds, plans[:-1])), source=src)
+
+
+__getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, layer_scales="layer_factors")

@@ -94,8 +94,8 @@ def window_similarity(pooled_chunks, num_layers: int, layer: int, index_sets: to
 
 
 class StatsRecorder:
-    """Attention runtime for :func:`kascade.integration.hf.attach` (``begin(q, k, kv_start, q_offset)`` per forward,
-    ``attend(layer, q, k, v, state, scale)`` per layer): dense outputs, calibration statistics on the side."""
+    """Attention runtime for :func:`kascade.integration.hf.attach` (``begin(fwd, q, k)`` per forward,
+    ``attend(layer, q, k, v, fwd, scale)`` per layer): dense outputs, calibration statistics on the side."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, k: int, tile: int):
         self.L, self.H, self.k, self.tile = num_layers, num_kv_heads, k, tile
@@ -108,12 +108,11 @@ class StatsRecorder:
         self._x = {}
 
     # -- the attention runtime (kascade.integration.hf.attach) -------------------------------------------------
-    def begin(self, q, k, kv_start, q_offset):
-        if q.shape[0] != 1 or q.shape[2] != k.shape[2] or bool(torch.as_tensor(kv_start).any()):
+    def begin(self, fwd, q, k):
+        if q.shape[0] != 1 or q.shape[2] != k.shape[2] or bool(torch.as_tensor(fwd.kv_start).any()):
             raise ValueError("calibration runs one unpadded window at a time, without a KV cache")
-        return None
 
-    def attend(self, layer, q, k, v, state, scale):
+    def attend(self, layer, q, k, v, fwd, scale):
         B, HQ, L, D = q.shape
         N = k.shape[2]
         scale = D**-0.5 if scale is None else scale

@@ -205,8 +205,8 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
         return dataclasses.replace(base, head_map=ident, source=base.source + "; identity head map"), own
     if name == "kascade-shared":
         # one selection shared by all KV heads has no per-head ranking: per-layer budgets are dropped
-        extra = "; per-layer budgets dropped" if base.reuse.scale is not None else ""
-        return dataclasses.replace(base.with_reuse(scale=None), head_map=ident, source=base.source +
+        extra = "; per-layer budgets dropped" if base.reuse.factor is not None else ""
+        return dataclasses.replace(base.with_reuse(factor=None), head_map=ident, source=base.source +
                                    "; shared across heads" + extra), partial(ops.select, shared=True)
     if name == "streamingllm":
         return KascadePlan(fp, (0,), ident, source="StreamingLLM: sinks + recent window", **b), streaming_select

@@ -3,8 +3,8 @@
 Per forward pass (one prefill or one decode step) the mask function reads the key geometry from the padding mask
 once, before any layer runs, into a :class:`KeyMask` (a :class:`kascade.Forward`); the attention function hands each
 layer to the runtime attached to its module (:func:`kascade.integration.hf.attach`, usually a
-:class:`kascade.Attention`), which plans the pass at layer 0 and keeps its state on that object, so that every later
-layer of the pass, and no other pass, sees it.
+:class:`kascade.Attention`), which plans the pass at layer 0 and fills in that object (step, plan, selections), so
+that every later layer of the pass, and no other pass, sees it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ ATTN_NAME = "kascade"
 
 class KeyMask(Forward):
     """The :class:`kascade.Forward` that Kascade's mask function hands to every attention layer of one forward pass
-    instead of a 4-D mask (made from the padding mask, once per pass).
+    instead of a 4-D mask (made from the padding mask, once per pass). A Forward in every other respect: this
+    subclass is only how the transformers integration makes one and passes it through transformers as a mask.
 
     ``generate`` with a compileable (static) cache builds the mask before the forward and passes it back in as
     ``attention_mask``; transformers then asks the mask function again, unless the mask says it is ready (4-D).
@@ -81,7 +82,7 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     from transformers.masking_utils import causal_mask_function
 
     compiling = torch.compiler.is_compiling()
-    if isinstance(attention_mask, KeyMask):  # made before the forward (generate with a static cache): a fresh state
+    if isinstance(attention_mask, KeyMask):  # made before the forward (generate with a static cache): a fresh pass
         mask = KeyMask(kv_start=attention_mask.kv_start, q_offset=attention_mask.q_offset,
                        refused=attention_mask.refused)
         if not compiling:  # (in a compiled forward the check is read when the next step's mask is made)
@@ -185,8 +186,7 @@ def kascade_attention_forward(module, query, key, value, attention_mask, scaling
             f"{' of shape ' + str(tuple(attention_mask.shape)) if isinstance(attention_mask, torch.Tensor) else ''}); "
             "pass a 2-D padding mask (attention_mask=[B, N] of 0/1) and let the model build the rest")
     layer = module.layer_idx
-    state = attention_mask.state_for(runtime, layer, query, key)
-    out = runtime.attend(layer, query, key, value, state, scaling)
+    out = runtime.attend(layer, query, key, value, attention_mask.at_layer(runtime, layer, query, key), scaling)
     check = attention_mask.check
     if check is not None and layer == getattr(module, "_kascade_layers", 0) - 1:
         attention_mask.check = None  # the step's last layer is launched: the host may wait for its check now

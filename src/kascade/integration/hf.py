@@ -208,7 +208,7 @@ def attach(model, runtime: Runtime) -> KascadeHandle:
     """Route ``model``'s attention to ``runtime`` (a :class:`~kascade.integration.runtime.Runtime`: the mechanism
     under :func:`enable`; calibration attaches its statistics recorder the same way)."""
     if not isinstance(runtime, Runtime):
-        raise TypeError(f"runtime must have begin(q, k, kv_start, q_offset) and attend(layer, q, k, v, state, scale), "
+        raise TypeError(f"runtime must have begin(fwd, q, k) and attend(layer, q, k, v, fwd, scale), "
                         f"got {type(runtime).__name__}")
     handle = KascadeHandle(model, runtime)
     handle._route()

@@ -5,25 +5,26 @@ besides Kascade's own (:class:`kascade.Attention`) and calibration's statistics 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from .. import ops
-from ..attention import ForwardState
+from ..attention import Forward
 
 
 @runtime_checkable
 class Runtime(Protocol):
-    """A model's attention, one forward pass at a time: ``begin`` once per pass with layer 0's queries and keys and
-    the pass's key geometry (``kv_start`` / ``q_offset``: host values, or device tensors in a decode step planned on
-    the device), returning the pass's state; then ``attend`` for every layer in order, ``q [B, HQ, L, D]``,
-    ``k, v [B, H, N, D]`` (the whole cache) -> ``[B, HQ, L, D]``; ``scale`` is the softmax scale (None: ``D**-0.5``).
-    The state belongs to its pass alone (concurrent passes never share one)."""
+    """A model's attention, one forward pass at a time, each pass one :class:`kascade.Forward` (``fwd``) that belongs
+    to it alone (concurrent passes never share one). ``begin(fwd, q, k)`` once per pass with layer 0's queries and
+    keys fills in what the runtime needs (``fwd.step``, ``fwd.plan``, ``fwd.selections``) from the pass's key
+    geometry (``fwd.kv_start`` / ``fwd.q_offset``: host values, or device tensors in a decode step planned on the
+    device); then ``attend(layer, q, k, v, fwd, scale)`` for every layer in order, ``q [B, HQ, L, D]``,
+    ``k, v [B, H, N, D]`` (the whole cache) -> ``[B, HQ, L, D]``; ``scale`` is the softmax scale (None: ``D**-0.5``)."""
 
-    def begin(self, q: torch.Tensor, k: torch.Tensor, kv_start, q_offset) -> Any: ...
+    def begin(self, fwd: Forward, q: torch.Tensor, k: torch.Tensor) -> None: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: Forward,
                scale: float | None) -> torch.Tensor: ...
 
 
@@ -40,12 +41,11 @@ class DenseRuntime:
 
     backend = "triton"
 
-    def begin(self, q, k, kv_start, q_offset) -> ForwardState:
-        step = ops.plan_step(q, k, kv_start=kv_start, q_offset=q_offset, backend=self.backend)
-        return ForwardState(step=step, plan=None)
+    def begin(self, fwd: Forward, q, k) -> None:
+        fwd.step = ops.plan_step(q, k, kv_start=fwd.kv_start, q_offset=fwd.q_offset, backend=self.backend)
 
-    def attend(self, layer: int, q, k, v, fs: ForwardState, scale) -> torch.Tensor:
-        st = fs.step
+    def attend(self, layer: int, q, k, v, fwd: Forward, scale) -> torch.Tensor:
+        st = fwd.step
         if not st.decode and st.q_offset == 0 and not bool(st.kv_start.any()):
             L = q.shape[2]
             return _sdpa_causal(q, k[:, :, :L], v[:, :, :L], scale)
@@ -70,8 +70,8 @@ class NoAttention:
     """Zeros for every attention layer (attach it like any runtime): ``1 - t(no attention) / t(dense)`` is the
     share of a forward that dense attention takes."""
 
-    def begin(self, q, k, kv_start, q_offset):
-        return None
+    def begin(self, fwd: Forward, q, k) -> None:
+        pass
 
-    def attend(self, layer: int, q, k, v, state, scale) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, fwd: Forward, scale) -> torch.Tensor:
         return torch.zeros_like(q)

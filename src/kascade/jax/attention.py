@@ -23,7 +23,7 @@ Backends:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -37,26 +37,30 @@ BACKENDS = ("reference", "triton")
 
 @dataclass(eq=False)
 class Forward:
-    """One forward pass through the layers (a prefill, a chunk, or one decode step).
+    """One forward pass through the layers (a prefill, a chunk, or one decode step): everything its layers share, as
+    :class:`kascade.Forward` holds it for the PyTorch runtime.
+
+    Given when the pass starts:
 
     kv_start: ``[B]`` each sequence's first valid key slot (left padding before it; default: none): a NumPy or JAX
               integer array (traced under jit with the reference backend).
     q_offset: key slot of the first query, a Python int (default: the last ``L`` slots hold the new queries).
+
+    Filled in at layer 0 by the :class:`Attention`, read by every later layer of the pass:
+
+    geometry:   ``(kv_start, q_offset)`` as layer 0 checked them (defaults filled in).
+    shapes:     layer 0's ``q`` and ``k`` shapes, which every later layer must have (reference backend).
+    selections: the anchors' selections so far, by layer (reference backend).
+    torch:      the backend "triton" runs the PyTorch runtime: its :class:`kascade.Forward` of this pass, which holds
+                the step plan, the plan and the selections as torch tensors.
     """
 
     kv_start: object = None
     q_offset: int | None = None
-    state: object = None  # made by the Attention at layer 0, read by every later layer of the pass
-
-
-@dataclass
-class _PassState:
-    """What the layers of one pass share (reference backend): geometry checked at layer 0, shapes, selections."""
-
-    kv_start: object
-    q_offset: int
-    shapes: tuple
-    selections: dict
+    geometry: tuple | None = None
+    shapes: tuple | None = None
+    selections: dict = field(default_factory=dict)
+    torch: object = None
 
 
 class Attention:
@@ -88,18 +92,21 @@ class Attention:
             raise ValueError(f"layer must be an integer in 0..{n - 1} (the plan's layers), got {layer!r}")
         layer = int(layer)
         if layer == 0:
-            fwd.state = self._begin(q, k, v, fwd)
-        elif fwd.state is None:
+            self._begin(q, k, v, fwd)
+        elif fwd.geometry is None:
             raise RuntimeError(f"Kascade: layer {layer} ran before layer 0 in this forward pass")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.backend == "triton":
-            return self._triton(layer, q, k, v, fwd.state, scale)
-        return self._reference(layer, q, k, v, fwd.state, scale)
+            return self._triton(layer, q, k, v, fwd.torch, scale)
+        return self._reference(layer, q, k, v, fwd, scale)
 
     # -- per pass ----------------------------------------------------------------------------------------------
-    def _begin(self, q, k, v, fwd: Forward):
+    def _begin(self, q, k, v, fwd: Forward) -> None:
+        """Check layer 0's arrays and the pass's geometry, and fill in ``fwd`` afresh (nothing of an earlier pass
+        carries over)."""
         from . import _geometry
 
+        fwd.geometry, fwd.shapes, fwd.selections, fwd.torch = None, None, {}, None
         fp = self.plan.fingerprint
         kv_start, q_offset = _geometry(q, k, v, fwd.kv_start, fwd.q_offset, self.backend)
         want = (fp.num_q_heads, fp.num_kv_heads, fp.head_dim)
@@ -112,16 +119,20 @@ class Attention:
 
             from ..attention import Forward as TorchForward
 
-            return TorchForward(kv_start=torch.as_tensor(np.asarray(kv_start), dtype=torch.long), q_offset=q_offset)
-        return _PassState(kv_start, q_offset, (tuple(q.shape), tuple(k.shape)), {})
+            fwd.torch = TorchForward(kv_start=torch.as_tensor(np.asarray(kv_start), dtype=torch.long),
+                                     q_offset=q_offset)
+        else:
+            fwd.shapes = (tuple(q.shape), tuple(k.shape))
+        fwd.geometry = (kv_start, q_offset)
 
     # -- the backends ------------------------------------------------------------------------------------------
-    def _reference(self, layer, q, k, v, st: _PassState, scale):
-        if (tuple(q.shape), tuple(k.shape)) != st.shapes or v.shape != k.shape:
+    def _reference(self, layer, q, k, v, fwd: Forward, scale):
+        if (tuple(q.shape), tuple(k.shape)) != fwd.shapes or v.shape != k.shape:
             raise ValueError(f"layer {layer}: q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} differ "
-                             f"from layer 0's q {st.shapes[0]} / k {st.shapes[1]} in this pass")
-        plan, sels = self.plan, st.selections
-        geo = dict(scale=scale, kv_start=st.kv_start, q_offset=st.q_offset)
+                             f"from layer 0's q {fwd.shapes[0]} / k {fwd.shapes[1]} in this pass")
+        plan, sels = self.plan, fwd.selections
+        kv_start, q_offset = fwd.geometry
+        geo = dict(scale=scale, kv_start=kv_start, q_offset=q_offset)
         for a in [a for a in sels if plan.last_reader(a) < layer]:
             del sels[a]  # no later layer reads it
         if plan.is_anchor(layer):

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from .. import _renamed
 from ..budget import Budget
 from . import library, reference
 from .geometry import check_dtypes, check_scale, check_shapes
@@ -190,6 +191,15 @@ def _scale(scale, q) -> float:
     return check_scale(scale)
 
 
+def _rank_factor(x) -> float | None:
+    """A ranked selection's multiplier of each row's budget (None: a set at the budget): a positive number."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+        raise ValueError(f"rank_factor must be a positive number, got {x!r}")
+    return float(x)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The ops
 # ----------------------------------------------------------------------------------------------------------------
@@ -202,55 +212,53 @@ def dense_attention(q, k, v, *, scale=None, kv_start=None, q_offset=None, backen
     return library.call("dense_attention", q, k, v, step.kv_start, step.q_offset, scale, step.backend)
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, shared: bool = False,
-           backend=None, step: Step | None = None, depth: float | None = None) -> Selection:
+           backend=None, step: Step | None = None, rank_factor: float | None = None) -> Selection:
     """Anchor selection: exact post-softmax probabilities pooled per KV head (over the ``G`` heads of the group,
     and over each tile of ``budget.tile`` queries in prefill), then the top-k keys per (sequence, KV head, row)
     with the spec's budget (:class:`kascade.budget.Budget`). Prefill tiles choose among keys strictly before the
     tile; a decode query chooses among all keys. ``shared=True`` pools over all KV heads too and gives every head
     the same set (the non-head-aware baseline; not Kascade's default).
 
-    ``depth`` (a multiplier of each row's budget): a *ranked* selection for plans whose layers keep different
-    numbers of keys: per row the ``scaled(c, depth, candidates)`` best keys (``c`` the row's budget) in descending
-    pooled probability (ties: the earlier key first), -1 padded at the end."""
+    ``rank_factor`` (a multiplier of each row's budget): a *ranked* selection for plans whose layers keep different
+    numbers of keys: per row the ``at_factor(c, rank_factor, candidates)`` best keys (``c`` the row's budget) in
+    descending pooled probability (ties: the earlier key first), -1 padded at the end."""
     step = _step(step, q, k, None, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not depth > 0):
-        raise ValueError(f"depth must be a positive number, got {depth!r}")
-    depth = None if depth is None else float(depth)
+    rank_factor = _rank_factor(rank_factor)
     if shared and step.backend == "triton":
         raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
     b = step.budget
     if step.meta is not None and not shared:
-        idx = library.call("select_decode", q, k, step.meta.tensor, step.meta.n_max, scale, b.ratio, b.k_min, depth,
-                           step.index_dtype, step.backend)
-        return Selection(idx, step.zeros(), b.tile, True, depth is not None)
+        idx = library.call("select_decode", q, k, step.meta.tensor, step.meta.n_max, scale, b.ratio, b.k_min,
+                           rank_factor, step.index_dtype, step.backend)
+        return Selection(idx, step.zeros(), b.tile, True, rank_factor is not None)
     if step.on_device:  # the shared baseline of a step planned on the device: its geometry read back once
         step = step.on_host()
     idx, row_start = library.call("select", q, k, step.kv_start, step.q_offset, scale, b.ratio, b.k_min, b.tile,
-                                  b.rolling, depth, shared, step.rows, step.counts(depth or 1.0)[1],
+                                  b.rolling, rank_factor, shared, step.rows, step.counts(rank_factor or 1.0)[1],
                                   step.index_dtype, step.backend)
-    return Selection(idx, row_start, b.tile, step.decode, depth is not None)
+    return Selection(idx, row_start, b.tile, step.decode, rank_factor is not None)
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, backend=None,
-                 step: Step | None = None, depth: float | None = None) -> tuple[torch.Tensor, Selection]:
+                 step: Step | None = None, rank_factor: float | None = None) -> tuple[torch.Tensor, Selection]:
     """Layer 0: :func:`dense_attention` and :func:`select` of the same inputs, from one pass where the backend
     has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``."""
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not depth > 0):
-        raise ValueError(f"depth must be a positive number, got {depth!r}")
-    depth = None if depth is None else float(depth)
+    rank_factor = _rank_factor(rank_factor)
     b = step.budget
     if step.meta is not None:
         out, idx = library.call("dense_select_decode", q, k, v, step.meta.tensor, step.meta.n_max, scale, b.ratio,
-                                b.k_min, depth, step.index_dtype, step.backend)
-        return out, Selection(idx, step.zeros(), b.tile, True, depth is not None)
+                                b.k_min, rank_factor, step.index_dtype, step.backend)
+        return out, Selection(idx, step.zeros(), b.tile, True, rank_factor is not None)
     out, idx, row_start = library.call("dense_select", q, k, v, step.kv_start, step.q_offset, scale, b.ratio,
-                                       b.k_min, b.tile, b.rolling, depth, step.rows, step.counts(depth or 1.0)[1],
-                                       step.index_dtype, step.backend)
-    return out, Selection(idx, row_start, b.tile, step.decode, depth is not None)
+                                       b.k_min, b.tile, b.rolling, rank_factor, step.rows,
+                                       step.counts(rank_factor or 1.0)[1], step.index_dtype, step.backend)
+    return out, Selection(idx, row_start, b.tile, step.decode, rank_factor is not None)
 
 
 def _check_selection(sel: Selection, step: Step) -> None:

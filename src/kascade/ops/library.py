@@ -80,10 +80,10 @@ def _meta(meta: torch.Tensor, keys: int, budget: Budget | None):
     return dm
 
 
-def decode_width(keys: int, ratio: float, k_min: int, depth: Optional[float]) -> int:
-    """Entries per row of a decode selection over at most ``keys`` keys: the budget at ``keys`` (at ``depth``)."""
+def decode_width(keys: int, ratio: float, k_min: int, rank_factor: Optional[float]) -> int:
+    """Entries per row of a decode selection over at most ``keys`` keys: the budget at ``keys`` (at ``rank_factor``)."""
     b = _budget(ratio, k_min)
-    return b.decode(keys) if depth is None else b.decode_counts(keys, depth)
+    return b.decode(keys) if rank_factor is None else b.decode_counts(keys, rank_factor)
 
 
 def _out_like(q: torch.Tensor, backend: str) -> torch.Tensor:
@@ -102,25 +102,25 @@ def _dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch
 
 
 def _select_decode(q: torch.Tensor, k: torch.Tensor, meta: torch.Tensor, keys: int, scale: float, ratio: float,
-                   k_min: int, depth: Optional[float], index_dtype: torch.dtype, backend: str) -> torch.Tensor:
+                   k_min: int, rank_factor: Optional[float], index_dtype: torch.dtype, backend: str) -> torch.Tensor:
     b = _budget(ratio, k_min)
     if backend == "triton":
-        return _triton(True).select_decode(q, k, budget=b, scale=scale, meta=_meta(meta, keys, b), depth=depth,
-                                           index_dtype=index_dtype).indices
-    return reference.select_decode(q, k, scale=scale, meta=meta, budget=b,
-                                   width=decode_width(keys, ratio, k_min, depth), depth=depth).to(index_dtype)
+        return _triton(True).select_decode(q, k, budget=b, scale=scale, meta=_meta(meta, keys, b),
+                                           rank_factor=rank_factor, index_dtype=index_dtype).indices
+    return reference.select_decode(q, k, scale=scale, meta=meta, budget=b, width=decode_width(keys, ratio, k_min,
+                                   rank_factor), rank_factor=rank_factor).to(index_dtype)
 
 
 def _dense_select_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, keys: int,
-                         scale: float, ratio: float, k_min: int, depth: Optional[float], index_dtype: torch.dtype,
+                         scale: float, ratio: float, k_min: int, rank_factor: Optional[float], index_dtype: torch.dtype,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     b = _budget(ratio, k_min)
     if backend == "triton":
         out, sel = _triton(True).dense_select_decode(q, k, v, budget=b, scale=scale, meta=_meta(meta, keys, b),
-                                                     depth=depth, index_dtype=index_dtype)
+                                                     rank_factor=rank_factor, index_dtype=index_dtype)
         return out, sel.indices
-    out, idx = reference.dense_select_decode(q, k, v, scale=scale, meta=meta, budget=b,
-                                             width=decode_width(keys, ratio, k_min, depth), depth=depth)
+    out, idx = reference.dense_select_decode(q, k, v, scale=scale, meta=meta, budget=b, rank_factor=rank_factor,
+                                             width=decode_width(keys, ratio, k_min, rank_factor))
     return out, idx.to(index_dtype)
 
 
@@ -131,8 +131,8 @@ def _sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: t
     return reference.sparse_decode(q, k, v, indices, scale=scale, counts=counts)
 
 
-def _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, depth, index_dtype, backend):
-    return q.new_empty((q.shape[0], k.shape[1], 1, decode_width(keys, ratio, k_min, depth)), dtype=index_dtype)
+def _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend):
+    return q.new_empty((q.shape[0], k.shape[1], 1, decode_width(keys, ratio, k_min, rank_factor)), dtype=index_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,29 +146,29 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start
 
 
 def _select(q: torch.Tensor, k: torch.Tensor, kv_start: torch.Tensor, q_offset: int, scale: float, ratio: float,
-            k_min: int, tile: int, rolling: bool, depth: Optional[float], shared: bool, rows: int, width: int,
+            k_min: int, tile: int, rolling: bool, rank_factor: Optional[float], shared: bool, rows: int, width: int,
             index_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     b = _budget(ratio, k_min, tile, rolling)
     if backend == "triton":
         sel = _triton(False).select_prefill(q, k, scale=scale, budget=b, kv_start=kv_start, q_offset=q_offset,
-                                            index_dtype=index_dtype, depth=depth)
+                                            index_dtype=index_dtype, rank_factor=rank_factor)
     else:
         sel = reference.select(q, k, budget=b, scale=scale, kv_start=kv_start, q_offset=q_offset, shared=shared,
-                               depth=depth)
+                               rank_factor=rank_factor)
     return _fit(sel.indices, rows, width).to(index_dtype), sel.row_start
 
 
 def _dense_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: torch.Tensor, q_offset: int,
-                  scale: float, ratio: float, k_min: int, tile: int, rolling: bool, depth: Optional[float], rows: int,
-                  width: int, index_dtype: torch.dtype,
+                  scale: float, ratio: float, k_min: int, tile: int, rolling: bool, rank_factor: Optional[float],
+                  rows: int, width: int, index_dtype: torch.dtype,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
         out, sel = _triton(False).dense_select_prefill(q, k, v, scale=scale, budget=_budget(ratio, k_min, tile, rolling),
                                                        kv_start=kv_start, q_offset=q_offset, index_dtype=index_dtype,
-                                                       depth=depth)
+                                                       rank_factor=rank_factor)
         return out, _fit(sel.indices, rows, width), sel.row_start
     out = _dense_attention(q, k, v, kv_start, q_offset, scale, backend)
-    return (out, *_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, depth, False, rows, width,
+    return (out, *_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, False, rows, width,
                           index_dtype, backend))
 
 
@@ -189,7 +189,7 @@ def _sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     return reference.sparse_attention(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
-def _fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, depth, shared, rows, width,
+def _fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, shared, rows, width,
                  index_dtype, backend):
     return (q.new_empty((q.shape[0], k.shape[1], rows, width), dtype=index_dtype),
             q.new_empty((q.shape[0],), dtype=torch.long))
@@ -210,8 +210,8 @@ OPS = {
     "select_decode": _register("select_decode", _select_decode, _fake_select_decode),
     "dense_select_decode": _register(
         "dense_select_decode", _dense_select_decode,
-        lambda q, k, v, meta, keys, scale, ratio, k_min, depth, index_dtype, backend: (
-            _out_like(q, backend), _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, depth, index_dtype,
+        lambda q, k, v, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend: (
+            _out_like(q, backend), _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype,
                                                        backend))),
     "sparse_decode": _register("sparse_decode", _sparse_decode,
                                lambda q, k, v, indices, counts, scale, backend: _out_like(q, backend)),
@@ -220,9 +220,9 @@ OPS = {
     "select": _register("select", _select, _fake_select),
     "dense_select": _register(
         "dense_select", _dense_select,
-        lambda q, k, v, kv_start, q_offset, scale, ratio, k_min, tile, rolling, depth, rows, width, index_dtype,
+        lambda q, k, v, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, rows, width, index_dtype,
         backend: (_out_like(q, backend), *_fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling,
-                                                       depth, False, rows, width, index_dtype, backend))),
+                                                       rank_factor, False, rows, width, index_dtype, backend))),
     "sparse_attention": _register(
         "sparse_attention", _sparse_attention,
         lambda q, k, v, indices, row_start, counts, ranked, tile, kv_start, q_offset, scale, backend: _out_like(

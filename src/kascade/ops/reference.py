@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..budget import Budget, scaled
+from .. import _renamed
+from ..budget import Budget, at_factor
 from .selection import Selection, sort_padded, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
@@ -141,9 +142,9 @@ def _topk_ranked(scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
 # Selection
 # ----------------------------------------------------------------------------------------------------------------
 def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False,
-                        depth: float | None = None) -> tuple[torch.Tensor, int]:
+                        rank_factor: float | None = None) -> tuple[torch.Tensor, int]:
     """One sequence in prefill: indices ``[H, R, K]`` (compact key positions) and the first row's tile; ranked to
-    ``depth`` times each row's budget when ``depth`` is given."""
+    ``rank_factor`` times each row's budget when ``rank_factor`` is given."""
     H, n, _ = k.shape
     T = budget.tile
     t_first = (n - q.shape[1]) // T
@@ -152,11 +153,11 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
         c, m = pooled.shape[1], pooled.shape[2]
         s = torch.arange(t0, t0 + c, device=q.device) * T  # first position of each tile
         cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], float("-inf"))
-        if depth is None:
+        if rank_factor is None:
             cnt = [budget.prefill_tile(int(x), n) for x in s]
             rows.append(_topk_sorted(cand, cnt))
         else:
-            cnt = [scaled(budget.prefill_tile(int(x), n), depth, int(x)) for x in s]
+            cnt = [at_factor(budget.prefill_tile(int(x), n), rank_factor, int(x)) for x in s]
             rows.append(_topk_ranked(cand, cnt))
         counts += cnt
     K = max(counts)
@@ -168,9 +169,10 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
     return idx, t_first
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
-           shared: bool = False, depth: float | None = None) -> Selection:
-    """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``depth`` a ranked selection."""
+           shared: bool = False, rank_factor: float | None = None) -> Selection:
+    """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``rank_factor`` a ranked selection."""
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)
     decode = L == 1
@@ -180,13 +182,13 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
         qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
         if decode:
             p = pooled_decode(qb, kb, scale, shared)
-            if depth is None:
+            if rank_factor is None:
                 idx = _topk_sorted(p[:, None, :], [budget.decode(n)])
             else:
-                idx = p.topk(budget.decode_counts(n, depth), dim=-1).indices[:, None, :]
+                idx = p.topk(budget.decode_counts(n, rank_factor), dim=-1).indices[:, None, :]
             t = 0
         else:
-            idx, t = _select_prefill_one(qb, kb, scale, budget, shared, depth)
+            idx, t = _select_prefill_one(qb, kb, scale, budget, shared, rank_factor)
         per_seq.append(torch.where(idx >= 0, idx + start, -1))
         row_start.append(t)
     return Selection(
@@ -194,7 +196,7 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
         row_start=torch.tensor(row_start, dtype=torch.long, device=q.device),
         tile=budget.tile,
         decode=decode,
-        ranked=depth is not None,
+        ranked=rank_factor is not None,
     )
 
 
@@ -326,14 +328,14 @@ def _decode_out(p, v, q, valid):
     return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, HQ, 1, D).to(q.dtype).contiguous()
 
 
-def _decode_top(p, valid, meta, budget: Budget, width: int, depth):
+def _decode_top(p, valid, meta, budget: Budget, width: int, rank_factor):
     """The top keys of each (sequence, KV head) by pooled probability: ``[B, H, 1, width]`` int64 slots, ascending
     (ranked: descending probability), -1 after each sequence's count."""
     pooled = p.sum(2).masked_fill(~valid[:, None, :], float("-inf"))  # [B, H, N]
-    count = meta[:, 2].long() if depth is None else budget.decode_counts(meta[:, 1].long(), depth)
+    count = meta[:, 2].long() if rank_factor is None else budget.decode_counts(meta[:, 1].long(), rank_factor)
     top = pooled.topk(width, dim=-1).indices
     keep = (torch.arange(width, device=p.device)[None, :] < count[:, None])[:, None, :]
-    idx = torch.where(keep, top, -1) if depth is not None else sort_padded(top, keep)
+    idx = torch.where(keep, top, -1) if rank_factor is not None else sort_padded(top, keep)
     return idx[:, :, None, :].contiguous()
 
 
@@ -343,17 +345,20 @@ def dense_decode(q, k, v, *, scale: float, meta: torch.Tensor) -> torch.Tensor:
     return _decode_out(p, v, q, valid)
 
 
-def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None) -> torch.Tensor:
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
+def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, width: int,
+                  rank_factor=None) -> torch.Tensor:
     """:func:`select` of a decode step whose geometry is ``meta``: indices ``[B, H, 1, width]`` (``width``: a host
-    bound of every sequence's count); the count is ``meta``'s budget, or at ``depth`` a ranked selection."""
+    bound of every sequence's count); the count is ``meta``'s budget, or at ``rank_factor`` a ranked selection."""
     p, valid = _decode_scores(q, k, meta, scale)
-    return _decode_top(p, valid, meta, budget, width, depth)
+    return _decode_top(p, valid, meta, budget, width, rank_factor)
 
 
-def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, depth=None):
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
+def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, rank_factor=None):
     """:func:`dense_decode` and :func:`select_decode` from one softmax. ``-> (out, indices)``."""
     p, valid = _decode_scores(q, k, meta, scale)
-    return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, depth)
+    return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, rank_factor)
 
 
 def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) -> torch.Tensor:

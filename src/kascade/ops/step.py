@@ -5,6 +5,10 @@ queries sit, how many keys each row keeps. :class:`Step` holds it, built once pe
 :func:`kascade.ops.plan_step` and passed to the public ops (``step=``), which then check nothing that needs the
 device and build nothing per layer. Budget counts come from :mod:`kascade.budget`.
 
+These are the ops' per-call metadata, below the runtime: the runtime's pass object, :class:`kascade.Forward`, holds
+one Step (``fwd.step``) beside the plan and the selections; a decode step's Step holds a :class:`DecodeMeta`
+(``step.meta``) on the Triton backend, and in every decode step planned on the device (a static cache).
+
 A decode step over a static KV cache can be planned from device tensors alone (:func:`decode_meta_static`): it
 then reads nothing back to the host, so the step can be captured in a CUDA graph and replayed.
 """
@@ -15,12 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _renamed
 from ..budget import Budget
 
 
 @dataclass(frozen=True)
 class DecodeMeta:
-    """Per-sequence metadata of one decode step for the Triton kernels, shared by every layer of the step.
+    """Per-sequence metadata of one decode step for the Triton kernels, shared by every layer of the step: the
+    ``meta`` of its :class:`Step`.
 
     tensor: ``[B, 4]`` int32 on the device: first valid slot (0 when paged), valid keys ``n_b``, budget ``k_b``, 0.
     n, k:   the same ``n_b`` and ``k_b`` on the host (``k`` is ``None`` when no budget was given); for a step planned
@@ -43,22 +49,24 @@ class DecodeMeta:
     def k_max(self) -> int:
         return max(self.k)
 
-    def counts(self, budget: Budget, scale: float) -> torch.Tensor:
-        """``[B]`` int32 on the device: the keys each sequence keeps at budget multiplier ``scale``
+    @_renamed.keywords(_renamed.FACTOR, scale="factor")
+    def counts(self, budget: Budget, factor: float) -> torch.Tensor:
+        """``[B]`` int32 on the device: the keys each sequence keeps at budget multiplier ``factor``
         (:meth:`Budget.decode_counts` of ``n_b``), from device ops only (graph-capturable); memoised."""
-        key = ("counts", float(scale))
+        key = ("counts", float(factor))
         if key not in self.derived:
-            self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), scale).to(torch.int32).contiguous()
+            self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), factor).to(torch.int32).contiguous()
         return self.derived[key]
 
-    def with_counts(self, budget: Budget, scale: float) -> "DecodeMeta":
-        """This metadata with each budget ``k_b`` replaced by the count at multiplier ``scale`` (what a ranked
-        selection of that depth keeps), memoised."""
-        key = ("depth", float(scale))
+    @_renamed.keywords(_renamed.FACTOR, scale="factor")
+    def with_counts(self, budget: Budget, factor: float) -> "DecodeMeta":
+        """This metadata with each budget ``k_b`` replaced by the count at multiplier ``factor`` (what a ranked
+        selection at that factor keeps), memoised."""
+        key = ("with_counts", float(factor))
         if key not in self.derived:
             t = self.tensor.clone()
-            t[:, 2] = self.counts(budget, scale)
-            self.derived[key] = DecodeMeta(tensor=t, n=self.n, k=tuple(budget.decode_counts(n, scale) for n in self.n),
+            t[:, 2] = self.counts(budget, factor)
+            self.derived[key] = DecodeMeta(tensor=t, n=self.n, k=tuple(budget.decode_counts(n, factor) for n in self.n),
                                            paged=self.paged)
         return self.derived[key]
 
@@ -98,7 +106,8 @@ def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, 
 
 @dataclass(eq=False)
 class Step:
-    """One forward step's plan (see the module docstring). Build it with :func:`kascade.ops.plan_step`.
+    """One forward step's plan (see the module docstring): what the ops need, held by the pass's
+    :class:`kascade.Forward` as ``fwd.step``. Build it with :func:`kascade.ops.plan_step`.
 
     backend:  "reference" or "triton"; budget: the budget every selection of the step uses.
     batch, q_heads, kv_heads, queries, keys, head_dim, dtype, device: the shapes every layer's ``q [B, HQ, L, D]``
@@ -191,22 +200,23 @@ class Step:
             self._memo["starts"] = self.kv_start.to(torch.int32).to(self.device)
         return self._memo["starts"]
 
-    def counts(self, scale: float) -> tuple[torch.Tensor, int]:
-        """The keys each row keeps at budget multiplier ``scale`` (:mod:`kascade.budget`): int32 on the step's
+    @_renamed.keywords(_renamed.FACTOR, scale="factor")
+    def counts(self, factor: float) -> tuple[torch.Tensor, int]:
+        """The keys each row keeps at budget multiplier ``factor`` (:mod:`kascade.budget`): int32 on the step's
         device, ``[B]`` in decode or ``[B, R]`` in prefill, and the largest of them (a host bound: the width of
-        the index rows they need). Memoised per step and scale; from device ops only in a step planned on the
+        the index rows they need). Memoised per step and factor; from device ops only in a step planned on the
         device."""
-        key = ("counts", float(scale))
+        key = ("counts", float(factor))
         if key not in self._memo:
             if self.meta is not None:
-                most = max(self.budget.decode_counts(n, scale) for n in self.meta.n)
-                self._memo[key] = (self.meta.counts(self.budget, scale), most)
+                most = max(self.budget.decode_counts(n, factor) for n in self.meta.n)
+                self._memo[key] = (self.meta.counts(self.budget, factor), most)
             elif self.decode:
-                c = self.budget.decode_counts(self.n, scale)
+                c = self.budget.decode_counts(self.n, factor)
                 self._memo[key] = (c.to(torch.int32).to(self.device), int(c.max()))
             else:
                 first, _ = self.tiles()
-                c = self.budget.row_counts(self.n, first, self.rows, scale)
+                c = self.budget.row_counts(self.n, first, self.rows, factor)
                 self._memo[key] = (c.to(torch.int32).to(self.device), int(c.max()) if c.numel() else 0)
         return self._memo[key]
 

@@ -1,7 +1,9 @@
 """The JSON form of a plan.
 
-``kascade-plan/3`` is written; ``kascade-plan/1`` (anchors, head map, budget) and ``kascade-plan/2`` (the reuse-rule
-fields at the top level, the per-layer scale named ``layer_scale``) still load. Files are parsed strictly: an
+``kascade-plan/4`` is written; ``kascade-plan/1`` (anchors, head map, budget), ``kascade-plan/2`` (the reuse-rule
+fields at the top level, the per-layer budget multiplier named ``layer_scale``) and ``kascade-plan/3`` (the reuse
+section as in /4, the multiplier named ``scale``) still load: the multiplier is ``factor`` in /4, so that ``scale``
+means the softmax scale alone. Files are parsed strictly: an
 integer field holds an integer, a boolean field ``true`` or ``false``, unknown fields are refused, and an error names
 the field and the value it found.
 
@@ -15,9 +17,11 @@ import dataclasses
 
 from .reuse_rule import Reuse, _is_int, _is_number
 
-FORMAT = "kascade-plan/3"
-FORMATS = ("kascade-plan/1", "kascade-plan/2", FORMAT)
-_V2_REUSE = {"sources": "sources", "layer_scale": "scale", "sinks": "sinks", "recent": "recent"}
+FORMAT = "kascade-plan/4"
+FORMATS = ("kascade-plan/1", "kascade-plan/2", "kascade-plan/3", FORMAT)
+_V2_REUSE = {"sources": "sources", "layer_scale": "factor", "sinks": "sinks", "recent": "recent"}
+_V3_REUSE = {"scale": "factor", "sources": "sources", "sinks": "sinks", "recent": "recent"}
+_V4_REUSE = ("factor", "sources", "sinks", "recent")
 _BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "calibrated", "source"}
 
 
@@ -79,7 +83,10 @@ def _parse(d, where: str) -> dict:
     if fmt not in FORMATS:
         raise ValueError(f"not a Kascade plan ({where}.format is {fmt!r}, expected one of {list(FORMATS)})")
     keys = {"format", *_BASE_FIELDS}
-    keys |= {"reuse", "by_length", "tensor_parallel"} if fmt == FORMAT else set(_V2_REUSE) | {"by_length"} if fmt != FORMATS[0] else set()
+    if fmt in ("kascade-plan/3", FORMAT):
+        keys |= {"reuse", "by_length", "tensor_parallel"}
+    elif fmt == "kascade-plan/2":
+        keys |= set(_V2_REUSE) | {"by_length"}
     F.obj(where, d, keys, required=("fingerprint", "anchors", "head_map"))
     fpd = F.obj(f"{where}.fingerprint", d["fingerprint"],
                 ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"),
@@ -95,14 +102,21 @@ def _parse(d, where: str) -> dict:
                        ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
         if name in d:
             kw[name] = read(f"{where}.{name}", d[name])
+    # the reuse fields under their /4 names, with the name the file used (for errors)
     if fmt == FORMAT:
-        r = F.obj(f"{where}.reuse", d.get("reuse", {}), ("scale", "sources", "sinks", "recent"))
+        r = F.obj(f"{where}.reuse", d.get("reuse", {}), _V4_REUSE)
+        named = {k: k for k in r}
+    elif fmt == "kascade-plan/3":
+        r3 = F.obj(f"{where}.reuse", d.get("reuse", {}), tuple(_V3_REUSE))
+        r, named = {_V3_REUSE[k]: v for k, v in r3.items()}, {_V3_REUSE[k]: k for k in r3}
     else:
         r = {_V2_REUSE[k]: d[k] for k in _V2_REUSE if k in d}
+        named = {_V2_REUSE[k]: k for k in _V2_REUSE if k in d}
     reuse = {}
-    if "scale" in r:
-        reuse["scale"] = [F.number(f"{where}.reuse.scale[{i}]", x) for i, x in
-                          enumerate(F.list(f"{where}.reuse.scale", r["scale"]))]
+    if "factor" in r:
+        name = named["factor"]
+        reuse["factor"] = [F.number(f"{where}.reuse.{name}[{i}]", x) for i, x in
+                           enumerate(F.list(f"{where}.reuse.{name}", r["factor"]))]
     if "sources" in r:
         reuse["sources"] = [
             [[[F.int(f"{where}.reuse.sources[{l}][{h}][{j}]", x) for x in F.list(f"{where}.reuse.sources[{l}][{h}][{j}]", p)]
@@ -127,8 +141,8 @@ def _parse(d, where: str) -> dict:
 
 
 def to_dict(plan) -> dict:
-    """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/3`` (``reuse``, ``by_length`` and ``tensor_parallel``
-    only when set)."""
+    """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/4`` (``reuse``, ``by_length`` and
+    ``tensor_parallel`` only when set)."""
     d = {"format": FORMAT, "fingerprint": dataclasses.asdict(plan.fingerprint), "anchors": list(plan.anchors),
          "head_map": [list(r) for r in plan.head_map], "ratio": plan.ratio, "k_min": plan.k_min,
          "tile": plan.tile, "rolling": plan.rolling, "calibrated": plan.calibrated, "source": plan.source}

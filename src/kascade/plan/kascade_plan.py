@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from .. import _renamed
 from ..budget import Budget
 from . import json_form
 from .reuse_rule import Reuse, _is_int
@@ -174,11 +175,11 @@ class KascadePlan:
                                              f"at or below layer {layer} (anchors {list(a)})")
                         if not 0 <= ah < H:
                             raise ValueError(f"reuse sources[{layer}][{h}] names head {ah}, outside 0..{H - 1}")
-        if r.scale is not None:
-            if len(r.scale) != n:
-                raise ValueError(f"reuse scale must have one entry per layer ({n}), got {len(r.scale)}")
-            if r.scale[0] != 1.0:
-                raise ValueError(f"reuse scale[0] must be 1.0 (layer 0 is dense), got {r.scale[0]}")
+        if r.factor is not None:
+            if len(r.factor) != n:
+                raise ValueError(f"reuse factor must have one entry per layer ({n}), got {len(r.factor)}")
+            if r.factor[0] != 1.0:
+                raise ValueError(f"reuse factor[0] must be 1.0 (layer 0 is dense), got {r.factor[0]}")
 
     def _check_by_length(self):
         bl = self.by_length
@@ -223,14 +224,17 @@ class KascadePlan:
         a = self.anchor_of(layer)
         return tuple(((a, h),) for h in self.head_map[layer])
 
-    def scale(self, layer: int) -> float:
-        """The multiplier of ``layer``'s row budget (1 under the paper's rule)."""
-        return 1.0 if self.reuse.scale is None else self.reuse.scale[layer]
+    scale = _renamed.attribute("layer_factor", _renamed.FACTOR)
+    depth = _renamed.attribute("rank_factor", _renamed.RANK_FACTOR)
 
-    def depth(self, anchor: int) -> float:
-        """How deep ``anchor`` ranks its keys, as a multiple of the row budget: the largest scale among the layers
+    def layer_factor(self, layer: int) -> float:
+        """The multiplier of ``layer``'s row budget (1 under the paper's rule)."""
+        return 1.0 if self.reuse.factor is None else self.reuse.factor[layer]
+
+    def rank_factor(self, anchor: int) -> float:
+        """How deep ``anchor`` ranks its keys, as a multiple of the row budget: the largest factor among the layers
         whose sets draw on it, its own included."""
-        return max(self.scale(l) for l in self._readers[anchor])
+        return max(self.layer_factor(l) for l in self._readers[anchor])
 
     def last_reader(self, anchor: int) -> int:
         """The last layer that reads ``anchor``'s selection (after it, the selection can be dropped)."""
@@ -321,7 +325,7 @@ class KascadePlan:
                                    f"{' by similarity' if similarity is not None else ' to the same head'})")
 
     def with_reuse(self, **changes) -> "KascadePlan":
-        """A copy whose reuse rule has other fields (``scale``, ``sources``, ``sinks``, ``recent``)."""
+        """A copy whose reuse rule has other fields (``factor``, ``sources``, ``sinks``, ``recent``)."""
         return dataclasses.replace(self, reuse=dataclasses.replace(self.reuse, **changes))
 
     # -- constructors ------------------------------------------------------------------------------------------
@@ -379,7 +383,7 @@ class KascadePlan:
 
     # -- JSON --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-ready dict in format ``kascade-plan/3`` (:mod:`kascade.plan.json_form`)."""
+        """JSON-ready dict in format ``kascade-plan/4`` (:mod:`kascade.plan.json_form`)."""
         return json_form.to_dict(self)
 
     @classmethod

@@ -7,6 +7,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from .. import _renamed
+
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -23,9 +25,10 @@ class Reuse:
     The default is the paper's rule: KV head ``h`` of a reuse layer attends the set that head ``head_map[l][h]`` of
     the nearest anchor below chose, at the plan's budget. Each field changes one thing:
 
-    scale:   per layer, a multiplier of the row budget (layer 0, dense, keeps 1.0): the layer attends the first
-             ``round(scale * c)`` keys of its source's ranking (``c`` the row's budget). Anchors then rank their
-             keys as deep as the largest scale among the layers they serve (:meth:`KascadePlan.depth`).
+    factor:  per layer, a multiplier of the row budget (layer 0, dense, keeps 1.0): the layer attends the first
+             ``round(factor * c)`` keys of its source's ranking (``c`` the row's budget). Anchors then rank their
+             keys as deep as the largest factor among the layers they serve (:meth:`KascadePlan.rank_factor`). Not
+             the softmax scale, which the attention calls take as ``scale``.
     sources: per layer, per KV head, the ``(anchor layer, anchor KV head)`` pairs whose rankings the head reuses
              (one: follow that head, which may belong to any earlier anchor; two: their union, merged rank by
              rank). Anchor layers list themselves. When set it replaces the head map for reuse layers.
@@ -36,21 +39,22 @@ class Reuse:
     probability) instead of as a set.
     """
 
-    scale: tuple[float, ...] | None = None
+    factor: tuple[float, ...] | None = None
     sources: tuple | None = None
     sinks: int = 0
     recent: float = 0.0
+    scale = _renamed.attribute("factor", _renamed.FACTOR)
 
     def __post_init__(self):
-        if self.scale is not None:
-            if isinstance(self.scale, (str, bytes)) or not hasattr(self.scale, "__iter__"):
-                raise TypeError(f"reuse scale must be a sequence of numbers, got {self.scale!r}")
-            bad = [x for x in self.scale if not _is_number(x)]
+        if self.factor is not None:
+            if isinstance(self.factor, (str, bytes)) or not hasattr(self.factor, "__iter__"):
+                raise TypeError(f"reuse factor must be a sequence of numbers, got {self.factor!r}")
+            bad = [x for x in self.factor if not _is_number(x)]
             if bad:
-                raise TypeError(f"reuse scale must hold numbers, got {bad[0]!r}")
-            object.__setattr__(self, "scale", tuple(float(x) for x in self.scale))
-            if not all(math.isfinite(x) and x > 0 for x in self.scale):
-                raise ValueError(f"reuse scale entries must be finite and > 0, got {list(self.scale)}")
+                raise TypeError(f"reuse factor must hold numbers, got {bad[0]!r}")
+            object.__setattr__(self, "factor", tuple(float(x) for x in self.factor))
+            if not all(math.isfinite(x) and x > 0 for x in self.factor):
+                raise ValueError(f"reuse factor entries must be finite and > 0, got {list(self.factor)}")
         if self.sources is not None:
             try:
                 src = tuple(tuple(tuple(_pair(pair) for pair in head) for head in row)
@@ -73,18 +77,21 @@ class Reuse:
     @property
     def ranked(self) -> bool:
         """Whether any field departs from the paper's rule (anchors then keep rank order)."""
-        return self.scale is not None or self.sources is not None or self.recent > 0
+        return self.factor is not None or self.sources is not None or self.recent > 0
 
     def to_dict(self) -> dict:
         """The fields that are set, JSON-ready (empty for the paper's rule)."""
         d = {}
-        if self.scale is not None:
-            d["scale"] = list(self.scale)
+        if self.factor is not None:
+            d["factor"] = list(self.factor)
         if self.sources is not None:
             d["sources"] = [[[list(p) for p in head] for head in row] for row in self.sources]
         if self.recent:
             d["sinks"], d["recent"] = self.sinks, self.recent
         return d
+
+
+Reuse.__init__ = _renamed.keywords(_renamed.FACTOR, scale="factor")(Reuse.__init__)
 
 
 def _pair(pair) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import _renamed
 from ...budget import Budget
 from ..selection import Selection
 from ..step import decode_meta
@@ -366,25 +367,26 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     return out
 
 
-def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype) -> Selection:
-    if depth is not None:  # ranked: each sequence keeps Budget.decode_counts(n_b, depth) keys (device ops)
-        meta = meta.with_counts(budget, depth)
+def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype) -> Selection:
+    if rank_factor is not None:  # ranked: each sequence keeps Budget.decode_counts(n_b, rank_factor) keys (device ops)
+        meta = meta.with_counts(budget, rank_factor)
     indices = topk.select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, method=method, chunk=chunk,
-                               ranked=depth is not None, index_dtype=index_dtype)
+                               ranked=rank_factor is not None, index_dtype=index_dtype)
     return Selection(indices=indices, row_start=torch.zeros(B, dtype=torch.long, device=Sc.device),
-                     tile=budget.tile, decode=True, ranked=depth is not None)
+                     tile=budget.tile, decode=True, ranked=rank_factor is not None)
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", chunk=None, depth=None, index_dtype=torch.long, **cfg) -> Selection:
+                  meta=None, method="radix", chunk=None, rank_factor=None, index_dtype=torch.long, **cfg) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
     the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of the
     selection's indices, int64 (default) or int32 (the Triton steps' :attr:`kascade.ops.Step.index_dtype`: half the
     memory, and the sparse kernel reading them 2-3% faster, the decode benchmark's ``reuse_int32``).
 
-    ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
-    (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, depth)`` keys in descending pooled probability,
+    ``rank_factor`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
+    (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, rank_factor)`` keys in descending pooled probability,
     not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end). With "radix"
     the keys are selected by the radix select and then only they are sorted by probability."""
     B, HQ, H, G, D = _heads(q, k, block_table)
@@ -392,19 +394,20 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     assert meta.k is not None, "meta built without a budget"
     _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
                                         sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
-    return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype)
+    return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
-                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, depth=None,
+                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, rank_factor=None,
                         index_dtype=torch.long, **cfg):
-    """Layer 0: the dense output and the selection (ranked with ``depth``, see :func:`select_decode`) from one pass
-    over K and V. ``-> (out, Selection)``."""
+    """Layer 0: the dense output and the selection (ranked with ``rank_factor``, see :func:`select_decode`) from one
+    pass over K and V. ``-> (out, Selection)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     out, Mx, Ls, Sc, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale, n_keys=meta.n_max,
                                           sparse=False, has_v=True, write_scores=True, sc_row=meta.n_max, **cfg)
-    return out, _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, depth, index_dtype)
+    return out, _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import _renamed
 from ...budget import Budget
 from .. import prefill_chunks
 from ..selection import Selection
@@ -577,8 +578,9 @@ def _score_rows(G: int, T: int, M: int | None = None) -> tuple[int, int, int]:
 TOPK_BOUND = True
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None, lse=None,
-                   depth=None, index_dtype=None, max_chunk_bytes=64 << 20, method="radix",
+                   rank_factor=None, index_dtype=None, max_chunk_bytes=64 << 20, method="radix",
                    scoring: Launch | None = None, lse_launch: Launch | None = None,
                    scores_only=False) -> Selection:
     """Anchor selection in prefill (see the module docstring). ``lse [B, HQ, L]`` from :func:`dense_prefill`
@@ -587,8 +589,8 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     the step's, else int64 like the reference; int32 is half the memory, which the sparse kernel reads as well).
     ``budget``: the step's unless given.
 
-    ``depth`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
-    (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., scale=depth)`` keys in descending pooled
+    ``rank_factor`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
+    (:mod:`kascade.reuse`): per row the top ``Budget.row_counts(..., factor=rank_factor)`` keys in descending pooled
     probability, not sorted by slot, -1 padded at the end.
 
     ``max_chunk_bytes``: the scratch bound. Extra memory, whatever ``B`` and ``N``: at most ``max_chunk_bytes`` in
@@ -624,14 +626,14 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     n_t = q_offset + L - host_start
     first_t, count_t = budget.tiles(n_t, L)
     R = int(count_t.max())
-    budgets_host = budget.row_counts(n_t, first_t, R, 1.0 if depth is None else depth)  # [B, R]
+    budgets_host = budget.row_counts(n_t, first_t, R, 1.0 if rank_factor is None else rank_factor)  # [B, R]
     K = int(budgets_host.max())
     rs = first_t.to(torch.int32).to(dev)
     indices = torch.full((B, H, R, K), -1, dtype=index_dtype, device=dev)
     if K == 0:
-        return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
-    cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method, depth=depth,
-               scoring=scoring or Launch(), scores_only=scores_only)
+        return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=rank_factor is not None)
+    cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method,
+               rank_factor=rank_factor, scoring=scoring or Launch(), scores_only=scores_only)
     lse_cfg = lse_launch.set_fields() if lse_launch is not None else {}
     g = B if lse is not None else prefill_chunks.lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
@@ -644,11 +646,11 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
         _select_group(q[sl], k[sl], lse_g, ks[sl], rs[sl], host_start[sl], first_t[sl], count_t[sl],
                       budgets_host[sl], indices[sl], fixed, **cfg)
         del lse_g
-    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=depth is not None)
+    return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=rank_factor is not None)
 
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, depth, scoring, scores_only):
+                  T, max_chunk_bytes, method, rank_factor, scoring, scores_only):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles (:func:`kascade.ops.prefill_chunks.plan_chunks`), each
     scored into a buffer whose top keys are found per row. ``fixed``: bytes of the bound already taken (the group's
@@ -662,10 +664,10 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
         return
     # Radix select of unranked rows: each chunk's slots go straight into `indices` (topk.rows_into), with per-row
     # metadata made once; the ranked rows and torch.topk go through temporaries and a write-back.
-    direct = prefill_chunks.is_direct(method, depth is not None)
+    direct = prefill_chunks.is_direct(method, rank_factor is not None)
     chunks = prefill_chunks.plan_chunks(heads=H, tile=T, first_tiles=first_t.tolist(), rows=count,
                                         budgets=budgets_host.tolist(), max_chunk_bytes=max_chunk_bytes, fixed=fixed,
-                                        method=method, ranked=depth is not None, hist_bins=topk.NHIST,
+                                        method=method, ranked=rank_factor is not None, hist_bins=topk.NHIST,
                                         keys_per_program=topk.TOPK_LAUNCH["prefill"].keys_per_program)
     f32, _ = flags(q)
     M, NSUB, MR = _score_rows(G, T, scoring.block_m)
@@ -706,7 +708,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                                indices[:, :, r0:r1].view(B * H, C, K), out_rows=C, mass=mass)
                 del hist
             else:
-                top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=depth is not None, method=method,
+                top = topk.tile_topk(buf, budgets_t[:, r0:r1], kc, ranked=rank_factor is not None, method=method,
                                      mass=mass)
                 indices[:, :, r0:r1, :kc] = torch.where(top >= 0, top + start_t[:, None, None, None], -1)
                 del top
@@ -770,13 +772,14 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
     return sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset), sel
 
 
+@_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def dense_select_prefill(q, k, v, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
-                         max_chunk_bytes=64 << 20, index_dtype=None, depth=None):
-    """Layer 0: the dense output (with its LSE), then the selection (ranked with ``depth``, see
+                         max_chunk_bytes=64 << 20, index_dtype=None, rank_factor=None):
+    """Layer 0: the dense output (with its LSE), then the selection (ranked with ``rank_factor``, see
     :func:`select_prefill`). ``-> (out, Selection)``."""
     out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, return_lse=True)
     sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, lse=lse,
-                         max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, depth=depth)
+                         max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, rank_factor=rank_factor)
     return out, sel
 
 
