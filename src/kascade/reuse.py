@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .budget import scaled
 from .ops.selection import Selection, sort_padded
 from .ops.step import Step
 
@@ -92,7 +93,11 @@ def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEAD
 
 def prefix(sel: Selection, scale: float, step: Step) -> Selection:
     """The first ``scaled(c, scale, candidates)`` keys of each row of the ranked ``sel``: a prefix view whose
-    counts come from the step (memoised per step and scale; device ops only in a graph-captured decode step)."""
+    counts come from the step (memoised per step and scale; device ops only in a graph-captured decode step), or,
+    for a selection by attention mass, from each row's kept count (``c = sel.kept``: per head, read back once)."""
+    if sel.kept is not None:
+        counts = scaled(sel.kept, scale, step.candidates()[:, None, :]).to(torch.int32)
+        return sel.prefix(counts, min(sel.indices.shape[-1], int(counts.max()) if counts.numel() else 0))
     counts, most = step.counts(scale)
     return sel.prefix(counts, min(sel.indices.shape[-1], most))
 
