@@ -226,3 +226,40 @@ def test_plan_with_mass_round_trips_and_refuses_merged_rules():
     with pytest.raises(ValueError, match="attention mass"):
         KascadePlan(fp, (0, 2), ((0, 1),) * 4, mass=0.9, reuse=Reuse(sinks=2, recent=0.2))
     assert math.isclose(plan.with_budget(mass=0.5).mass, 0.5)
+
+
+# -- calibration and costs --------------------------------------------------------------------------------------------
+def test_mass_for_fraction_finds_the_largest_share_within_the_budget():
+    from kascade.calibrate.budgets import attended_fraction, mass_for_fraction
+
+    model = _tiny_llama()
+    fp = ModelFingerprint.from_model(model)
+    plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.8, k_min=2, tile=8)
+    wins = [torch.randint(0, 97, (160,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    f_low = attended_fraction(model, plan.with_budget(mass=0.3), wins)
+    f_high = attended_fraction(model, plan.with_budget(mass=1.0), wins)
+    assert f_low < f_high
+    target = (f_low + f_high) / 2
+    mass, f = mass_for_fraction(model, plan, wins, target, low=0.3, steps=5, progress=False)
+    assert f_low <= f <= target and 0.3 <= mass < 1.0
+    assert f == attended_fraction(model, plan.with_budget(mass=mass), wins)
+    # one step of the grid above it is over the budget (the bisection's bracket)
+    assert attended_fraction(model, plan.with_budget(mass=mass + 0.7 / 32), wins) > target or mass + 0.7 / 32 > 1
+    with pytest.raises(ValueError, match="already attends"):
+        mass_for_fraction(model, plan, wins, f_low / 2, low=0.3, steps=1, progress=False)
+
+
+def test_costs_of_a_plan_by_mass_need_its_measured_fractions():
+    from kascade import costs
+
+    fp = ModelFingerprint("llama", 32, 32, 8, 128)
+    plan = KascadePlan.uniform(fp, 5)
+    with pytest.raises(ValueError, match="measured"):
+        costs.plan_speedup(plan.with_budget(mass=0.9, ratio=0.3), "decode")
+    # the measured fractions of a count plan reproduce its modelled speed
+    n = 131072
+    counted = {l: [plan.budget.decode_counts(n, plan.scale(l)), n] for l in range(32)}
+    assert costs.plan_speedup(plan, "decode", attended=counted) == pytest.approx(costs.plan_speedup(plan, "decode"))
+    half = {l: [a // 2, d] for l, (a, d) in counted.items()}
+    assert costs.plan_speedup(plan.with_budget(mass=0.9, ratio=0.3), "decode", attended=half) > \
+        costs.plan_speedup(plan, "decode")
