@@ -292,6 +292,15 @@ def needle() -> str:
     return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "keys attended"], rows)
 
 
+def mass_budgets() -> str:
+    """Budgets by attention mass against the budget by count, per plan."""
+    names = {"default": "default plan", "oracle": "every layer selects (oracle)"}
+    rows = [[names[r["plan"]], "by count" if r["mass"] is None else f"mass {r['mass']}, cap {r['cap']}",
+             f"{r['agreement']:.3f}", f"{r['kl']:.4f}", f"{r['attended']:.3f}"]
+            for r in results("accuracy")["mass"]["rows"]]
+    return _table(["plan", "budget", "agreement", "KL (nats)", "keys attended"], rows)
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def tp_fidelity(model: str) -> str:
     t = results("accuracy")["tensor_parallel"][model]
@@ -365,6 +374,7 @@ BLOCKS = {
     "heldout-8k": heldout,
     "plans-accuracy": plans_accuracy,
     "needle": needle,
+    "mass-budgets": mass_budgets,
     "tp-fidelity": tp_fidelity,
     "tp-links": tp_links,
     "tp-exchange": tp_exchange,
