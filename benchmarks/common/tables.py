@@ -282,6 +282,25 @@ def plans_accuracy() -> str:
     return _table(["plan (6 anchors of 30)", "4K: agreement / KL", "8K: agreement / KL"], rows)
 
 
+def needle() -> str:
+    """The needle suite: each task and length, dense and the default plan, with their 95% intervals."""
+    def cell(x):
+        return f"{x['score']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"
+
+    rows = [[f"`{r['task']}`", _n(r["length"]), r["samples"], cell(r["dense"]), cell(r["kascade"]),
+             f"{r['kascade']['attended']:.3f}"] for r in results("accuracy")["needle"]["rows"]]
+    return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "keys attended"], rows)
+
+
+def mass_budgets() -> str:
+    """Budgets by attention mass against the budget by count, per plan."""
+    names = {"default": "default plan", "oracle": "every layer selects (oracle)"}
+    rows = [[names[r["plan"]], "by count" if r["mass"] is None else f"mass {r['mass']}, cap {r['cap']}",
+             f"{r['agreement']:.3f}", f"{r['kl']:.4f}", f"{r['attended']:.3f}"]
+            for r in results("accuracy")["mass"]["rows"]]
+    return _table(["plan", "budget", "agreement", "KL (nats)", "keys attended"], rows)
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def tp_fidelity(model: str) -> str:
     t = results("accuracy")["tensor_parallel"][model]
@@ -354,6 +373,8 @@ BLOCKS = {
     "plan-speed": plan_speed,
     "heldout-8k": heldout,
     "plans-accuracy": plans_accuracy,
+    "needle": needle,
+    "mass-budgets": mass_budgets,
     "tp-fidelity": tp_fidelity,
     "tp-links": tp_links,
     "tp-exchange": tp_exchange,

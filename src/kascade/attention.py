@@ -132,7 +132,8 @@ class Attention:
             kv_start = None if kv_start is None else kv_start.cpu()
         backend = self.backend
         if backend == "auto":
-            backend = ops.resolve_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+            backend = ops.resolve_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
+                                          self.plan.budget)
         fwd.step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
         fwd.plan = self.plan.for_length(fwd.step.longest) if self.plan.by_length else self.plan
 

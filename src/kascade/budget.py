@@ -54,12 +54,16 @@ class Budget:
     k_min:   floor on the number of keys kept (``>= 1``).
     tile:    prefill query tile ``T`` (``>= 1``).
     rolling: in prefill, let the budget grow with the causal prefix (the authors' default).
+    mass:    ``None`` (a row keeps its count, above) or a share ``0 < mass <= 1`` of attention: a row then keeps the
+             fewest of its best keys that hold ``mass`` of its pooled probability, at least its count at ratio 0
+             (the ``k_min`` floor) and at most its count (``ratio`` becomes the cap); see :func:`mass_counts`.
     """
 
     ratio: float = 0.10
     k_min: int = 128
     tile: int = 32
     rolling: bool = True
+    mass: float | None = None
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 <= self.ratio <= 1.0):
@@ -70,6 +74,15 @@ class Budget:
             raise ValueError(f"tile must be an integer >= 1, got {self.tile!r}")
         if not isinstance(self.rolling, bool):
             raise ValueError(f"rolling must be True or False, got {self.rolling!r}")
+        if self.mass is not None and (isinstance(self.mass, bool) or not isinstance(self.mass, (int, float))
+                                      or not 0.0 < self.mass <= 1.0):
+            raise ValueError(f"mass must be None (keep each row's count) or a share of attention in (0, 1], "
+                             f"got {self.mass!r}")
+
+    @property
+    def floor(self) -> "Budget":
+        """The same budget at ratio 0 and by count: its counts are the least a row keeps by mass."""
+        return Budget(ratio=0.0, k_min=self.k_min, tile=self.tile, rolling=self.rolling)
 
     def k(self, n):
         """``k(N) = min(N, max(k_min, floor(ratio * N)))``: keys kept for a context of ``n`` keys."""
@@ -113,6 +126,21 @@ class Budget:
     def decode_counts(self, n, factor: float = 1.0):
         """Keys a decode query keeps at budget multiplier ``factor``: ``at_factor(decode(n), factor, n)``."""
         return at_factor(self.decode(n), factor, n)
+
+
+def mass_counts(ranked, total, own, mass: float, lo, hi):
+    """Keys a row keeps by attention mass: the fewest of its candidates, taken best first, whose pooled probability
+    plus ``own`` (what the row attends anyway: its own tile in prefill) reaches ``mass * total``, clamped to
+    ``[lo, hi]`` (the row's count at ratio 0 and at the budget's ratio; ``lo <= hi``).
+
+    ``ranked [..., m]``: each row's candidate probabilities in descending order (padding: 0); ``total``, ``own``,
+    ``lo``, ``hi``: ``[...]`` (or scalars). Sums in float64, so that a hand-computed share is met exactly.
+    Returns ``[...]`` int64.
+    """
+    need = mass * total.double() - (own.double() if isinstance(own, torch.Tensor) else own)
+    before = ranked.double().cumsum(-1) - ranked.double()  # mass of the keys ranked above each one
+    c = (before < need[..., None]).sum(-1)  # keys needed: every one the mass before it has not reached ``need``
+    return _min(_max(c, lo), hi)
 
 
 __getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, scaled="at_factor")

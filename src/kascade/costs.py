@@ -223,17 +223,27 @@ def layer_costs(mode: str = "decode", *, length: int = DEFAULT_LENGTH, batch: in
                      + ", ".join(f"({b}, {n})" for b, n in have) + f"; not at ({batch}, {length})")
 
 
-def layer_fractions(plan: KascadePlan, length: int) -> list[float]:
-    """Per layer, the fraction of ``length`` keys it attends (per-layer scales included; 1 for layer 0)."""
+def layer_fractions(plan: KascadePlan, length: int, attended: dict | None = None) -> list[float]:
+    """Per layer, the fraction of ``length`` keys it attends (per-layer scales included; 1 for layer 0).
+
+    A plan by attention mass (``plan.mass``) keeps what its inputs need: give the ``attended`` fractions measured on
+    yours, ``{layer: [keys attended, keys dense attends]}`` as :class:`kascade.Attention` counts them with
+    ``account=True`` (``handle.runtime.attended``); for other plans they replace the budget's counts too."""
+    if attended is not None:
+        return [1.0 if layer == 0 else attended[layer][0] / attended[layer][1] for layer in range(plan.num_layers)]
+    if plan.mass is not None or any(p.mass is not None for _, p in plan.by_length):
+        raise ValueError("a plan by attention mass attends what its inputs need: pass the fractions measured on "
+                         "them (attended=handle.runtime.attended of kascade.enable(model, plan, account=True))")
     plan = plan.for_length(length)
     b = plan.budget
     return [1.0 if layer == 0 else float(b.decode_counts(length, plan.layer_factor(layer))) / length
             for layer in range(plan.num_layers)]
 
 
-def plan_cost(plan: KascadePlan, costs: LayerCosts) -> float:
-    """The plan's attention time per forward, in dense layers (a dense model costs ``num_layers``)."""
-    fr = layer_fractions(plan, costs.length)
+def plan_cost(plan: KascadePlan, costs: LayerCosts, attended: dict | None = None) -> float:
+    """The plan's attention time per forward, in dense layers (a dense model costs ``num_layers``); ``attended``:
+    measured fractions (:func:`layer_fractions`)."""
+    fr = layer_fractions(plan, costs.length, attended)
     sub = plan.for_length(costs.length)
     return sum(costs.layer0() if layer == 0 else costs.anchor(f) if sub.is_anchor(layer) else costs.reuse(f)
                for layer, f in enumerate(fr))
@@ -241,13 +251,14 @@ def plan_cost(plan: KascadePlan, costs: LayerCosts) -> float:
 
 def plan_speedup(plan: KascadePlan, mode: str = "decode", *, length: int = DEFAULT_LENGTH,
                  batch: int | None = None, gpu: str | None = None, shape: str | None = None,
-                 baseline: str = "best", table: dict | None = None) -> float:
+                 baseline: str = "best", table: dict | None = None, attended: dict | None = None) -> float:
     """Modelled model-average attention speedup of ``plan``: dense attention time of all layers / the plan's, on
     ``gpu`` (of ``table``, default: the shipped one) at ``shape``'s kernel times (default: the plan's own shape if
-    measured, else Llama-3.1-8B's)."""
+    measured, else Llama-3.1-8B's). ``attended``: the layers' measured fractions (:func:`layer_fractions`; needed
+    for a plan by attention mass)."""
     shape = shape_for(plan.fingerprint, gpu, table) if shape is None else shape
     costs = layer_costs(mode, length=length, batch=batch, gpu=gpu, shape=shape, baseline=baseline, table=table)
-    return plan.num_layers / plan_cost(plan, costs)
+    return plan.num_layers / plan_cost(plan, costs, attended)
 
 
 def describe(plan: KascadePlan, **kw) -> str:

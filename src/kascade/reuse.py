@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import _renamed
+from .budget import at_factor
 from .ops.selection import Selection, sort_padded
 from .ops.step import Step
 
@@ -94,7 +95,11 @@ def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEAD
 @_renamed.keywords(_renamed.FACTOR, scale="factor")
 def prefix(sel: Selection, factor: float, step: Step) -> Selection:
     """The first ``at_factor(c, factor, candidates)`` keys of each row of the ranked ``sel``: a prefix view whose
-    counts come from the step (memoised per step and factor; device ops only in a graph-captured decode step)."""
+    counts come from the step (memoised per step and factor; device ops only in a graph-captured decode step), or,
+    for a selection by attention mass, from each row's kept count (``c = sel.kept``: per head, read back once)."""
+    if sel.kept is not None:
+        counts = at_factor(sel.kept, factor, step.candidates()[:, None, :]).to(torch.int32)
+        return sel.prefix(counts, min(sel.indices.shape[-1], int(counts.max()) if counts.numel() else 0))
     counts, most = step.counts(factor)
     return sel.prefix(counts, min(sel.indices.shape[-1], most))
 

@@ -133,4 +133,51 @@ def measured_budget_plan(plan: KascadePlan, sens: dict, grid=MEASURED_GRID, sour
     return budgeted_plan(plan, allocate_factors(sens, plan.num_layers, grid, total=total), sens, grid, source)
 
 
+def attended_fraction(model, plan: KascadePlan, windows, *, backend: str = "reference") -> float:
+    """The fraction of the causal (query, key) pairs dense attention attends that ``plan`` attends on ``windows``
+    (1-D token tensors; layer 0, dense, included), counted from its selections."""
+    import torch
+
+    from ..integration.hf import enable
+
+    att = den = 0
+    dev = next(model.parameters()).device
+    for w in windows:
+        with torch.no_grad(), enable(model, plan, backend=backend, account=True, warn_uncalibrated=False) as h:
+            model(w[None].to(dev))
+        att += sum(a for a, _ in h.runtime.attended.values())
+        den += sum(d for _, d in h.runtime.attended.values())
+    return att / den
+
+
+def mass_for_fraction(model, plan: KascadePlan, windows, fraction: float, *, low: float = 0.5, high: float = 1.0,
+                      steps: int = 7, backend: str = "reference", progress: bool = True) -> tuple[float, float]:
+    """The share of attention (:attr:`kascade.Budget.mass`) at which ``plan`` (its ``ratio`` the cap) attends at most
+    ``fraction`` of the keys on ``windows``, by bisection over ``[low, high]`` in ``steps`` measurements (the attended
+    fraction grows with the share). Returns ``(mass, measured fraction)``, the largest share tried within the
+    fraction; ValueError when even ``low`` attends more (lower ``k_min``, or aim higher)."""
+    if not 0 < low < high <= 1:
+        raise ValueError(f"need 0 < low < high <= 1, got low={low!r}, high={high!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    bar = tqdm(total=steps + 1, desc="mass for a budget", unit="measurement", disable=not progress)
+    best = (low, attended_fraction(model, plan.with_budget(mass=low), windows, backend=backend))
+    bar.update(1)
+    if best[1] > fraction:
+        bar.close()
+        raise ValueError(f"at mass={low} the plan already attends {best[1]:.4f} of the keys, above {fraction}: its "
+                         "floor (k_min, the own tiles, layer 0) takes that much")
+    lo, hi = low, high
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        f = attended_fraction(model, plan.with_budget(mass=mid), windows, backend=backend)
+        bar.update(1)
+        if f <= fraction:
+            lo, best = mid, (mid, f)
+        else:
+            hi = mid
+    bar.close()
+    return best
+
+
 __getattr__ = _renamed.module_getattr(__name__, _renamed.FACTOR, allocate_scales="allocate_factors")

@@ -85,6 +85,11 @@ def add(sub) -> None:
     e.add_argument("--k-min", type=positive(), default=None,
                    help="the budget's least number of keys, for every strategy (default: each plan's own); a plan "
                    "with per-layer budgets scales the budget per layer, this floor included")
+    e.add_argument("--mass", type=number(0.0, 1.0), default=None,
+                   help="keep keys by attention mass, for every strategy: each row (KV head and query tile, or "
+                   "decode query) keeps the fewest of its best keys holding this share of its pooled attention, in "
+                   "(0, 1], at least --k-min and at most --ratio's count (default: each plan's own: by count); runs "
+                   "on the reference backend")
     e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")

@@ -204,6 +204,7 @@ class Settings:
     # model's shipped plan)
     ratio: float | None = None  # budget overrides for every strategy
     k_min: int | None = None
+    mass: float | None = None  # a budget by attention mass, for every strategy (ratio then caps it)
     omnikv_layer: int = 2
     longbench: str | Path | None = None
     longbench_limit: int | None = None
@@ -223,6 +224,9 @@ class Settings:
         r = self.ratio
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1):
             raise ValueError(f"--ratio must be a fraction of the keys in (0, 1], got {r!r}")
+        m = self.mass
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
+            raise ValueError(f"--mass must be a share of attention in (0, 1], got {m!r}")
         for flag, given, known in (("--strategies", self.strategies, STRATEGIES), ("--tasks", self.tasks, TASKS)):
             bad = [x for x in given or () if x not in known]
             if bad or given == ():
@@ -261,7 +265,7 @@ class Settings:
 
     @property
     def budget(self) -> dict | None:
-        b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min).items() if v is not None}
+        b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min, mass=self.mass).items() if v is not None}
         return b or None
 
     @property
@@ -276,7 +280,7 @@ class Settings:
         d = dict(model=str(Path(self.model).expanduser().resolve()) if self.model is not None else "default",
                  dtype=str(self.dtype), seed=self.seed, samples=samples_of(FIDELITY, self.samples),
                  plan=self.plan if self.plan in SHIPPED_VARIANTS else _digest(self.plan), ratio=self.ratio, k_min=self.k_min,
-                 omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
+                 **({} if self.mass is None else dict(mass=self.mass)), omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
         if self.data is not None:
             d.update(text_field=self.text_field, skip_texts=self.skip_texts)
         return d

@@ -143,15 +143,16 @@ def check_supported(model) -> None:
                          "does not support; set model.config.sliding_window = None if your prompts fit in the window")
 
 
-def resolve_backend(model, backend: str = "auto") -> str:
-    """The backend ``enable`` will use for ``model`` (its parameters' device and dtype, its heads): the rule of
-    :func:`kascade.ops.resolve_backend`."""
+def resolve_backend(model, backend: str = "auto", plan: KascadePlan | None = None) -> str:
+    """The backend ``enable`` will use for ``model`` (its parameters' device and dtype, its heads) and ``plan``'s
+    budget: the rule of :func:`kascade.ops.resolve_backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     fp = ModelFingerprint.from_model(model)
     p = next(model.parameters())
     try:
-        return ops.resolve_backend(backend, p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads)
+        return ops.resolve_backend(backend, p.device, p.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads,
+                                   None if plan is None else plan.budget)
     except ValueError as e:
         raise ValueError(f"Kascade cannot use backend='triton' for this model: {e}") from None
 
@@ -178,8 +179,8 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
     the anchors' selections so that any plan runs (:mod:`kascade.tensor_parallel`).
     """
     check_supported(model)
-    backend = resolve_backend(model, backend)
     plan = resolve_plan(plan, model)
+    backend = resolve_backend(model, backend, plan)
     plan.check_model(model)
     fp = plan.fingerprint
     shard = head_shard(attention_modules(model), fp.num_kv_heads, fp.head_dim)

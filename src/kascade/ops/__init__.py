@@ -66,16 +66,19 @@ def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> 
     return None
 
 
-def resolve_backend(backend: str, device, dtype=None, head_dim=None, group=None) -> str:
+def resolve_backend(backend: str, device, dtype=None, head_dim=None, group=None, budget: Budget | None = None) -> str:
     """The backend that serves these inputs: ``"auto"`` is "triton" on a CUDA device whose dtype, head dim and group
     the kernels serve (and with triton installed), else "reference"; ``"triton"`` where it cannot run raises
-    ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. The one rule every caller
-    (``enable``, the runtime per pass, ``kascade costs``) applies."""
+    ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. A ``budget`` by attention
+    mass (``budget.mass``) selects on the reference only. The one rule every caller (``enable``, the runtime per
+    pass, ``kascade costs``) applies."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto', *BACKENDS)}")
     if backend == "reference":
         return backend
     why = triton_unavailable_reason(device, dtype, head_dim, group)
+    if why is None and budget is not None and budget.mass is not None:
+        why = "backend='triton' selects by count: a budget by attention mass (budget.mass) runs on 'reference'"
     if backend == "triton":
         if why:
             raise ValueError(why)
@@ -126,6 +129,9 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError("backend='triton' needs the head dim contiguous (stride 1) in q, k and v")
         index_dtype = torch.int32
+        if budget.mass is not None:
+            raise ValueError("backend='triton' selects by count: a budget by attention mass (budget.mass) runs on "
+                             "backend='reference'")
     shape = dict(backend=backend, budget=budget, batch=B, q_heads=HQ, kv_heads=H, queries=L, keys=N, head_dim=D,
                  dtype=q.dtype, device=q.device, index_dtype=index_dtype)
     if isinstance(q_offset, torch.Tensor):
@@ -230,6 +236,8 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     if shared and step.backend == "triton":
         raise ValueError("backend='triton' has no shared-across-heads selection (a baseline): use 'reference'")
     b = step.budget
+    if b.mass is not None:
+        return _select_by_mass(q, k, step, scale, shared, rank_factor)
     if step.meta is not None and not shared:
         idx = library.call("select_decode", q, k, step.meta.tensor, step.meta.n_max, scale, b.ratio, b.k_min,
                            rank_factor, step.index_dtype, step.backend)
@@ -251,6 +259,8 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
     scale = _scale(scale, q)
     rank_factor = _rank_factor(rank_factor)
     b = step.budget
+    if b.mass is not None:
+        return dense_attention(q, k, v, scale=scale, step=step), _select_by_mass(q, k, step, scale, False, rank_factor)
     if step.meta is not None:
         out, idx = library.call("dense_select_decode", q, k, v, step.meta.tensor, step.meta.n_max, scale, b.ratio,
                                 b.k_min, rank_factor, step.index_dtype, step.backend)
@@ -259,6 +269,20 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
                                        b.k_min, b.tile, b.rolling, rank_factor, step.rows,
                                        step.counts(rank_factor or 1.0)[1], step.index_dtype, step.backend)
     return out, Selection(idx, row_start, b.tile, step.decode, rank_factor is not None)
+
+
+def _select_by_mass(q, k, step: Step, scale: float, shared: bool, rank_factor) -> Selection:
+    """:func:`select` with a budget by attention mass: the reference's, eagerly (its counts depend on the scores, so
+    its shapes do too: no compiled graph can hold it), the geometry read back to the host once in a step planned on
+    the device."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("a budget by attention mass (budget.mass) selects eagerly: its shapes depend on the "
+                           "scores; run it without torch.compile")
+    step = step.on_host()
+    sel = reference.select_by_mass(q, k, budget=step.budget, scale=scale, kv_start=step.kv_start,
+                                   q_offset=step.q_offset, shared=shared, factor=rank_factor)
+    return Selection(sel.indices.to(step.index_dtype), sel.row_start, sel.tile, sel.decode, sel.ranked,
+                     kept=sel.kept)
 
 
 def _check_selection(sel: Selection, step: Step) -> None:
@@ -279,6 +303,11 @@ def _check_selection(sel: Selection, step: Step) -> None:
         raise ValueError(f"the selection was made with tile {sel.tile}, the step's budget has tile {step.budget.tile}")
     if sel.counts is not None:
         want = (B,) if sel.decode else (B, idx.shape[2])
+        if sel.counts.dim() == 3:  # per head: a selection by attention mass
+            want = (B, H, idx.shape[2])
+            if step.backend == "triton":
+                raise ValueError("backend='triton' reads a prefix count per row, not per head (a selection by "
+                                 "attention mass): use 'reference'")
         if tuple(sel.counts.shape) != want or sel.counts.dtype != torch.int32:
             raise ValueError(f"selection counts must be int32 of shape {list(want)}, got {sel.counts.dtype} "
                              f"{tuple(sel.counts.shape)}")

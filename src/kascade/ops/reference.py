@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import _renamed
-from ..budget import Budget, at_factor
+from ..budget import Budget, at_factor, mass_counts
 from .selection import Selection, sort_padded, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
@@ -201,6 +201,65 @@ def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offs
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Selection by attention mass (Budget.mass)
+# ----------------------------------------------------------------------------------------------------------------
+def _mass_rows(cand: torch.Tensor, total: torch.Tensor, cands, budget: Budget, lo, hi, factor: float | None):
+    """Rows of one sequence chosen by mass: ``cand [H, c, m]`` the candidates' pooled probabilities (0 for keys a
+    row may not choose), ``total [H, c]`` each row's whole pooled mass (its own tile's included), ``cands``,
+    ``lo``, ``hi``: ``[c]`` candidates and count bounds per row. Returns (indices ``[H, c, K]``: ascending, or at
+    ``factor`` the ``at_factor(kept, factor, cands)`` best in rank order; -1 padded) and kept ``[H, c]``."""
+    ranked, order = cand.sort(dim=-1, descending=True, stable=True)  # ties: the earlier key first
+    kept = mass_counts(ranked, total, total - cand.sum(-1), budget.mass, lo, hi)
+    take = kept if factor is None else at_factor(kept, factor, cands)
+    K = int(take.max()) if take.numel() else 0
+    keep = torch.arange(K, device=cand.device) < take[..., None]
+    idx = order[..., :K]
+    return (torch.where(keep, idx, -1) if factor is not None else sort_padded(idx, keep)), kept
+
+
+def select_by_mass(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
+                   shared: bool = False, factor: float | None = None) -> Selection:
+    """Anchor selection with ``budget.mass`` set: per (sequence, KV head, row) the fewest best keys by pooled
+    probability holding ``budget.mass`` of the row's pooled probability (a prefill row counts its own tile's mass,
+    which it attends anyway), at least the row's count at ratio 0 and at most its count
+    (:func:`kascade.budget.mass_counts`). Pooling, candidates and layout as in :func:`select`; the counts are in
+    the selection's ``kept``."""
+    assert budget.mass is not None
+    B, HQ, L, D = q.shape
+    md = _math_dtype(q.dtype)
+    decode = L == 1
+    floor, T = budget.floor, budget.tile
+    per_seq, kept_seq, row_start = [], [], []
+    for b in range(B):
+        start, n, l = _valid_span(kv_start, q_offset, L, b)
+        qb, kb = q[b, :, L - l :].to(md), k[b, :, start : start + n].to(md)
+        if decode:
+            p = pooled_decode(qb, kb, scale, shared)[:, None, :]  # [H, 1, n]
+            idx, kept = _mass_rows(p, p.sum(-1), n, budget, floor.decode(n), budget.decode(n), factor)
+            t = 0
+        else:
+            t = (n - l) // T
+            parts = []
+            for t0, pooled in iter_pooled_prefill(qb, kb, scale, T, shared):
+                c, m = pooled.shape[1], pooled.shape[2]
+                s = torch.arange(t0, t0 + c, device=q.device) * T  # each row's candidates: the keys before its tile
+                cand = pooled.masked_fill(torch.arange(m, device=q.device)[None, :] >= s[:, None], 0.0)
+                parts.append(_mass_rows(cand, pooled.sum(-1), s, budget, floor.prefill_tile(s, n),
+                                        budget.prefill_tile(s, n), factor))
+            K = max(x.shape[-1] for x, _ in parts)
+            idx = torch.cat([torch.nn.functional.pad(x, (0, K - x.shape[-1]), value=-1) for x, _ in parts], 1)
+            kept = torch.cat([x for _, x in parts], 1)
+        per_seq.append(torch.where(idx >= 0, idx + start, -1))
+        kept_seq.append(kept)
+        row_start.append(t)
+    R = max(x.shape[1] for x in kept_seq)
+    kept = torch.stack([torch.nn.functional.pad(x, (0, R - x.shape[1])) for x in kept_seq])
+    return Selection(indices=stack_rows(per_seq, q.device),
+                     row_start=torch.tensor(row_start, dtype=torch.long, device=q.device),
+                     tile=T, decode=decode, ranked=factor is not None, kept=kept)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Sparse attention over a selection
 # ----------------------------------------------------------------------------------------------------------------
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -369,8 +428,9 @@ def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) 
     md = _math_dtype(q.dtype)
     idx = indices[:, :, 0].long()  # [B, H, K]
     ok = idx >= 0
-    if counts is not None:
-        ok = ok & (torch.arange(idx.shape[-1], device=q.device)[None, None, :] < counts.long()[:, None, None])
+    if counts is not None:  # [B], or [B, H, 1] per head (a selection by attention mass)
+        c = counts.long()[:, None, None] if counts.dim() == 1 else counts.long()
+        ok = ok & (torch.arange(idx.shape[-1], device=q.device)[None, None, :] < c)
     rows = idx.clamp_min(0)[..., None].expand(-1, -1, -1, D)
     s = torch.einsum("bhgd,bhkd->bhgk", q.to(md).view(B, H, HQ // H, D), k.gather(2, rows).to(md)) * scale
     p = s.masked_fill(~ok[:, :, None, :], float("-inf")).softmax(-1)

@@ -30,7 +30,11 @@ class Selection:
     decode:    whether this is a decode step (one query per sequence, no own tile).
     ranked:    rows in rank order (an anchor of a plan whose layers keep different numbers of keys).
     counts:    a *prefix view* of a ranked selection: only the first ``counts`` entries of a row are its keys;
-               ``[B]`` (decode) or ``[B, R]`` (prefill) int32 on the indices' device, or None (the whole row).
+               ``[B]`` (decode) or ``[B, R]`` (prefill) int32 on the indices' device, ``[B, H, R]`` where each head's
+               rows differ (a selection by attention mass), or None (the whole row).
+    kept:      a selection by attention mass (:attr:`kascade.budget.Budget.mass`): ``[B, H, R]`` int64, the keys
+               each row keeps at factor 1 (a ranked row may hold more: the reuse layers' prefixes scale this);
+               None for a selection by count, whose rows' counts follow from the geometry alone.
 
     Attention does not depend on the order of a row's keys: the reference ops read a ranked or prefix selection
     through :meth:`as_set`, the Triton kernels read it as it is.
@@ -42,30 +46,38 @@ class Selection:
     decode: bool
     ranked: bool = False
     counts: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
 
     def take_heads(self, head_map: torch.Tensor) -> "Selection":
         """The selection as seen by a reuse layer whose KV head ``h`` takes this selection's head ``head_map[h]``
         (``[H]`` int64 on the indices' device)."""
+        def heads(x):
+            return x.index_select(1, head_map) if x is not None and x.dim() == 3 else x
+
         return Selection(self.indices.index_select(1, head_map), self.row_start, self.tile, self.decode,
-                         self.ranked, self.counts)
+                         self.ranked, heads(self.counts), heads(self.kept))
 
     def narrow_heads(self, start: int, count: int) -> "Selection":
         """Heads ``start .. start + count - 1`` (a view: no copy)."""
+        def heads(x):
+            return x.narrow(1, start, count) if x is not None and x.dim() == 3 else x
+
         return Selection(self.indices.narrow(1, start, count), self.row_start, self.tile, self.decode, self.ranked,
-                         self.counts)
+                         heads(self.counts), heads(self.kept))
 
     def prefix(self, counts: torch.Tensor, width: int) -> "Selection":
-        """The first ``counts`` entries of each row of this ranked selection (``[B]`` or ``[B, R]``), stored in the
-        first ``width`` columns (``width >= counts.max()``; no data is copied)."""
+        """The first ``counts`` entries of each row of this ranked selection (``[B]``, ``[B, R]`` or ``[B, H, R]``),
+        stored in the first ``width`` columns (``width >= counts.max()``; no data is copied)."""
         assert self.ranked, "only a ranked selection has meaningful prefixes"
-        return Selection(self.indices[..., :width], self.row_start, self.tile, self.decode, True, counts)
+        return Selection(self.indices[..., :width], self.row_start, self.tile, self.decode, True, counts, self.kept)
 
     def _row_mask(self, width: int) -> torch.Tensor | None:
-        """``[B, 1, R, width]`` (prefill) or ``[B, 1, 1, width]`` (decode): entries inside the prefix."""
+        """``[B, 1 or H, R, width]`` (``R`` = 1 in decode): entries inside the prefix."""
         if self.counts is None:
             return None
-        rows = self.counts[:, None] if self.counts.dim() == 1 else self.counts  # [B, R]
-        return torch.arange(width, device=self.indices.device) < rows[:, None, :, None]
+        rows = self.counts[:, None] if self.counts.dim() == 1 else self.counts  # [B, R] or [B, H, R]
+        rows = rows if rows.dim() == 3 else rows[:, None]
+        return torch.arange(width, device=self.indices.device) < rows[..., None]
 
     def as_set(self) -> "Selection":
         """The keys of every row, ascending and -1 padded (a ranked selection or prefix view made a plain one)."""

@@ -200,6 +200,16 @@ class Step:
             self._memo["starts"] = self.kv_start.to(torch.int32).to(self.device)
         return self._memo["starts"]
 
+    def candidates(self) -> torch.Tensor:
+        """``[B, R]`` int64 on the step's device: the keys each row may choose from (decode: the sequence's valid
+        keys; prefill: the keys before the row's tile), from device ops only in a step planned on the device."""
+        if self.meta is not None:
+            return self.meta.tensor[:, 1].long()[:, None]
+        if self.decode:
+            return self.n[:, None].to(self.device)
+        first, _ = self.tiles()
+        return ((first[:, None] + torch.arange(self.rows)[None, :]) * self.budget.tile).to(self.device)
+
     @_renamed.keywords(_renamed.FACTOR, scale="factor")
     def counts(self, factor: float) -> tuple[torch.Tensor, int]:
         """The keys each row keeps at budget multiplier ``factor`` (:mod:`kascade.budget`): int32 on the step's

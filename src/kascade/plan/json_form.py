@@ -22,7 +22,8 @@ FORMATS = ("kascade-plan/1", "kascade-plan/2", "kascade-plan/3", FORMAT)
 _V2_REUSE = {"sources": "sources", "layer_scale": "factor", "sinks": "sinks", "recent": "recent"}
 _V3_REUSE = {"scale": "factor", "sources": "sources", "sinks": "sinks", "recent": "recent"}
 _V4_REUSE = ("factor", "sources", "sinks", "recent")
-_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "calibrated", "source"}
+_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "mass", "calibrated",
+                "source"}
 
 
 class _Field:
@@ -99,7 +100,7 @@ def _parse(d, where: str) -> dict:
                 for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
     kw = {}
     for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
-                       ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
+                       ("mass", F.number), ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
         if name in d:
             kw[name] = read(f"{where}.{name}", d[name])
     # the reuse fields under their /4 names, with the name the file used (for errors)
@@ -152,6 +153,8 @@ def to_dict(plan) -> dict:
         d["by_length"] = [dict(max_n=m, plan=p.to_dict()) for m, p in plan.by_length]
     if plan.tensor_parallel is not None:
         d["tensor_parallel"] = plan.tensor_parallel
+    if plan.mass is not None:
+        d["mass"] = plan.mass
     return d
 
 

@@ -85,7 +85,8 @@ class KascadePlan:
     anchors:    sorted layer indices that select their own top-k keys; always contains 0 (layer 0 is dense).
     head_map:   one row per layer, ``head_map[l][h]`` = the KV head of ``anchor_of(l)`` whose index set KV head
                 ``h`` of layer ``l`` uses. Rows of anchor layers are the identity.
-    ratio, k_min, tile, rolling: the budget (see :class:`kascade.budget.Budget`).
+    ratio, k_min, tile, rolling, mass: the budget (see :class:`kascade.budget.Budget`; ``mass``: rows keep keys
+                by attention mass, ``ratio`` then caps them).
     calibrated: False for the uniform default that no calibration chose.
     source:     a human-readable note on where the plan came from.
     reuse:      the reuse rule (:class:`Reuse`; default: the paper's).
@@ -107,6 +108,7 @@ class KascadePlan:
     reuse: Reuse = Reuse()
     by_length: tuple = ()
     tensor_parallel: int | None = None
+    mass: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.fingerprint, ModelFingerprint):
@@ -140,7 +142,10 @@ class KascadePlan:
                 raise ValueError(f"head_map[{layer}] = {list(row)} has heads outside 0..{H - 1}")
             if layer in a and row != tuple(range(H)):
                 raise ValueError(f"head_map[{layer}] must be the identity: layer {layer} is an anchor")
-        self.budget  # validates ratio, k_min, tile
+        self.budget  # validates ratio, k_min, tile, mass
+        if self.mass is not None and (self.reuse.sources is not None or self.reuse.recent):
+            raise ValueError("a budget by attention mass takes the paper's reuse or per-layer budgets (reuse.scale); "
+                             "the sources and sinks + recent rules count keys by the geometry")
         self._check_reuse()
         self._check_by_length()
         if self.tensor_parallel is not None:
@@ -254,7 +259,7 @@ class KascadePlan:
     # -- structure ---------------------------------------------------------------------------------------------
     @property
     def budget(self) -> Budget:
-        return Budget(ratio=self.ratio, k_min=self.k_min, tile=self.tile, rolling=self.rolling)
+        return Budget(ratio=self.ratio, k_min=self.k_min, tile=self.tile, rolling=self.rolling, mass=self.mass)
 
     @property
     def num_layers(self) -> int:
@@ -273,10 +278,10 @@ class KascadePlan:
         return found
 
     def with_budget(self, **changes) -> "KascadePlan":
-        """A copy with other budget settings (ratio, k_min, tile, rolling)."""
-        bad = set(changes) - {"ratio", "k_min", "tile", "rolling"}
+        """A copy with other budget settings (ratio, k_min, tile, rolling, mass)."""
+        bad = set(changes) - {"ratio", "k_min", "tile", "rolling", "mass"}
         if bad:
-            raise TypeError(f"with_budget takes ratio, k_min, tile, rolling; got {sorted(bad)}")
+            raise TypeError(f"with_budget takes ratio, k_min, tile, rolling, mass; got {sorted(bad)}")
         subs = tuple((m, dataclasses.replace(p, **changes)) for m, p in self.by_length)
         return dataclasses.replace(self, by_length=subs, **changes)
 
