@@ -57,6 +57,9 @@ class Budget:
     mass:    ``None`` (a row keeps its count, above) or a share ``0 < mass <= 1`` of attention: a row then keeps the
              fewest of its best keys that hold ``mass`` of its pooled probability, at least its count at ratio 0
              (the ``k_min`` floor) and at most its count (``ratio`` becomes the cap); see :func:`mass_counts`.
+    score_dtype: how the anchors' scoring passes compute the scores they rank keys by: ``None`` (in the inputs'
+             dtype, exact) or ``"fp8"`` (e4m3 with a power-of-two scale per query and key vector,
+             :mod:`kascade.ops.fp8`). The keys a layer attends are attended exactly either way.
     """
 
     ratio: float = 0.10
@@ -64,6 +67,7 @@ class Budget:
     tile: int = 32
     rolling: bool = True
     mass: float | None = None
+    score_dtype: str | None = None
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 <= self.ratio <= 1.0):
@@ -78,11 +82,14 @@ class Budget:
                                       or not 0.0 < self.mass <= 1.0):
             raise ValueError(f"mass must be None (keep each row's count) or a share of attention in (0, 1], "
                              f"got {self.mass!r}")
+        if self.score_dtype not in (None, "fp8"):
+            raise ValueError(f"score_dtype must be None (score in the inputs' dtype) or 'fp8' (e4m3 scoring), "
+                             f"got {self.score_dtype!r}")
 
     @property
     def floor(self) -> "Budget":
         """The same budget at ratio 0 and by count: its counts are the least a row keeps by mass."""
-        return Budget(ratio=0.0, k_min=self.k_min, tile=self.tile, rolling=self.rolling)
+        return Budget(ratio=0.0, k_min=self.k_min, tile=self.tile, rolling=self.rolling, score_dtype=self.score_dtype)
 
     def k(self, n):
         """``k(N) = min(N, max(k_min, floor(ratio * N)))``: keys kept for a context of ``n`` keys."""
