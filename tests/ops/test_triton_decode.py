@@ -298,3 +298,55 @@ def test_launch_plans_are_memoised_and_bounded(monkeypatch):
         td._plan(*args, n, *rest)
         assert len(td._PLANS) <= 3
     assert td._plan(*args, 1000, *rest) == first  # worked out again, the same
+
+
+class _Counted:
+    """A kernel that runs as before and logs each launch (``kernel[grid](...)``) by name."""
+
+    def __init__(self, name, kernel, log):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the Triton kernels launched while the test runs, in order (every kernel of the decode modules;
+    the ``@triton.jit`` helpers that kernels call are not launched)."""
+    log = []
+    for mod in (td, topk):
+        for name, obj in list(vars(mod).items()):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(mod, name, _Counted(name, obj, log))
+    return log
+
+
+def test_a_decode_layer_launches_one_kernel_per_pass(launches):
+    """A reuse layer is one launch even over several splits (the row's last program merges the partials), an anchor
+    eight (scoring, pooling with the first histogram, three refining passes, the threshold counts, the ordered
+    write, the sparse pass), layer 0 seven; the merged passes leave their row counters at zero."""
+    g = torch.Generator().manual_seed(5)
+    B, H, G, N, D = 2, 2, 4, 300, 64
+    q64, k64, v64 = masters(g, B, H, G, 1, N, D)
+    q, k, v = dev(q64.to(torch.bfloat16)), dev(k64.to(torch.bfloat16)), dev(v64.to(torch.bfloat16))
+    meta = decode_meta(B, device=q.device, q_offset=N - 1, budget=BUDGET)
+    sel = td.select_decode(q, k, budget=BUDGET, scale=D**-0.5, meta=meta)
+    launches.clear()
+    out = td.sparse_decode(q, k, v, sel.indices, scale=D**-0.5, num_splits=4, block_n=16)
+    assert launches == ["_split_kernel"]
+    assert td._plan("sparse", B, H, G, D, sel.indices.shape[-1], q.device, q.dtype, False, False,
+                    (4, 16, None, None, None)).S == 4, "the merge was not exercised"
+    assert not td._DONE[q.device].any(), "a row counter left non-zero"
+    torch.testing.assert_close(out, td.sparse_decode(q, k, v, sel.indices, scale=D**-0.5, num_splits=1),
+                               rtol=2e-2, atol=2e-2)
+
+    passes = ["_split_kernel", "_pool_kernel"] + ["_radix_kernel"] * 4 + ["_write_kernel"]
+    launches.clear()
+    td.anchor_decode(q, k, v, budget=BUDGET, scale=D**-0.5, meta=meta)
+    assert launches == passes + ["_split_kernel"]
+    launches.clear()
+    td.dense_select_decode(q, k, v, budget=BUDGET, scale=D**-0.5, meta=meta, num_splits=4)
+    assert launches == passes
+    assert not td._DONE[q.device].any()

@@ -43,7 +43,7 @@ from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist,
+    Q, K, V, Idx, Cnt, Meta, BT, Out, Ws, Done, Sc, Hist,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -57,13 +57,23 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr, MAXB: tl.constexpr,
+    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, S_PAD: tl.constexpr,
 ):
-    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows)."""
+    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows).
+
+    ``Ws``: the pass's fp32 scratch, ``[Acc [B, HQ, S, D] (with V and S > 1)] [Mx [B, HQ, S]] [Ls [B, HQ, S]]``.
+    ``Done [>= B * H]`` int32, zero between launches: with V and S > 1, the row's last program to finish merges."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     S = tl.num_programs(0)
+    n_st = tl.num_programs(2) * H * G * S  # partials of the launch
+    Acc = Ws
+    if HAS_V and not DIRECT:
+        Mx = Ws + n_st.to(tl.int64) * D
+    else:
+        Mx = Ws
+    Ls = Mx + n_st
     b64 = b.to(tl.int64)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
@@ -150,25 +160,42 @@ def _split_kernel(
                      to_out(o, Out.dtype.element_ty, RNE), mask=gm[:, None])
         else:
             tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
+            # ---- the row's last program merges the S partials (no merge launch) ----
+            # Every thread's partial stores come before the one thread's ticket (a CTA barrier; the release is then
+            # cumulative over them). The tickets are read-modify-writes of one counter, one release sequence: the
+            # program that reads S - 1 synchronises with every other program's release, then reads their partials
+            # past L1 (.cg). It puts the counter back to 0: the next launch (or a CUDA graph's replay) finds it so.
+            tl.debug_barrier()
+            done = Done + b * H + h
+            if tl.atomic_add(done, 1, sem="acq_rel") == S - 1:
+                _merge(Out, Acc, Mx, Ls, b64, hq, (b * H * G + hq) * S, gm, S, stride_ob, stride_oh, GP, D, S_PAD,
+                       RNE)
+                tl.store(done, 0)
 
 
 @triton.jit
-def _merge_kernel(Out, Acc, Mx, Ls, stride_ob, stride_oh, S, HQ: tl.constexpr, D: tl.constexpr,
-                  S_PAD: tl.constexpr, RNE: tl.constexpr):
-    """Log-sum-exp merge of the split partials of one (sequence, query head)."""
-    hq = tl.program_id(0)
-    b = tl.program_id(1)
+def _merge(Out, Acc, Mx, Ls, b64, hq, row, gm, S, stride_ob, stride_oh, GP: tl.constexpr, D: tl.constexpr,
+           S_PAD: tl.constexpr, RNE: tl.constexpr):
+    """Log-sum-exp merge of the S split partials of the G query heads ``hq`` of one (sequence, KV head), whose
+    first partials are at ``row [GP]``."""
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D)
-    sm = offs_s < S
-    st = (b * HQ + hq) * S + offs_s
-    m = tl.load(Mx + st, mask=sm, other=float("-inf"))
-    l = tl.load(Ls + st, mask=sm, other=0.0)
-    mx = tl.max(m, 0)
-    w = tl.exp2(m - mx)  # splits without keys have m = -inf: weight 0
-    acc = tl.load(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], mask=sm[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(Out + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d, to_out(o, Out.dtype.element_ty, RNE))
+    stp = row[:, None] + offs_s[None, :]  # [GP, S_PAD]
+    ok = gm[:, None] & (offs_s < S)[None, :]
+    m = tl.load(Mx + stp, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(Ls + stp, mask=ok, other=0.0, cache_modifier=".cg")
+    mx = tl.where(gm, tl.max(m, 1), 0.0)
+    w = tl.exp2(m - mx[:, None])  # splits without keys have m = -inf: weight 0
+    den = tl.sum(l * w, 1)  # [GP]
+    num = tl.zeros([GP, D], tl.float32)
+    for s in range(S):  # [GP, D] a split: a [GP, S, D] block would not fit in registers
+        w_s = tl.exp2(tl.load(Mx + row + s, mask=gm, other=float("-inf"), cache_modifier=".cg") - mx)
+        acc = tl.load(Acc + (row + s)[:, None].to(tl.int64) * D + offs_d[None, :], mask=gm[:, None], other=0.0,
+                      cache_modifier=".cg")
+        num += acc * w_s[:, None]
+    o = num / tl.where(gm, den, 1.0)[:, None]
+    tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + offs_d[None, :], to_out(o, Out.dtype.element_ty, RNE),
+             mask=gm[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -257,14 +284,33 @@ def _heads(q, k, block_table):
 
 
 # Launch plans of the split-K kernel, by shape and pass: a decode step launches the same few configurations in every
-# layer, and working one out (launch configuration, splits, constexprs) costs more host time than the launch itself.
-# (A dynamic cache's steps each have another length: the memo is emptied when it grows large.)
+# layer, and working one out (launch configuration, splits, constexprs, scratch layout) costs more host time than the
+# launch itself. (A dynamic cache's steps each have another length: the memo is emptied when it grows large.)
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
-def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
-    """``(S, per, BLOCK_N, launch keywords, direct)`` of one pass, memoised."""
+@dataclass(frozen=True)
+class _Plan:
+    """One pass's launch: splits, keys per split, the kernel's constexprs and launch keywords, and its fp32 scratch
+    (one allocation): ``[Acc [B, HQ, S, D] (merged passes)] [Mx, Ls [B, HQ, S]] [Sc [B, HQ, sc_row]] [Hist [B*H,
+    NHIST] int32]`` (scores and histograms: the scoring passes), each region at an offset of 64 elements."""
+
+    S: int
+    per: int
+    consts: dict
+    stats: int  # offset of Mx (Ls follows at stats + B*HQ*S)
+    sc: int  # offset of Sc
+    hist: int  # offset of Hist
+    size: int  # elements of the scratch
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
+    """The launch of one pass, memoised."""
     key = (kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg)
     plan = _PLANS.get(key)
     if plan is None:
@@ -276,57 +322,87 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
         per_sm, round_up = _per_sm(kind, B * H, device)
         S, per = _splits(B * H, n_keys, bn, device, num_splits, programs_per_sm or per_sm, round_up)
         f32, rne = flags(torch.empty(0, dtype=dtype))
-        sparse = kind == "sparse"
-        consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=kind != "score",
-                      WRITE_SCORES=kind in ("score", "dense_scores"), DIRECT=S == 1, F32=f32, NHIST=topk.NHIST,
-                      RNE=rne, HAS_CNT=counts, MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, num_warps=nw)
+        sparse, has_v, scores = kind == "sparse", kind != "score", kind in ("score", "dense_scores")
+        consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=has_v,
+                      WRITE_SCORES=scores, DIRECT=S == 1, F32=f32, NHIST=topk.NHIST, RNE=rne, HAS_CNT=counts,
+                      MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, S_PAD=next_power_of_2(S), num_warps=nw)
         if num_stages is not None:
             consts["num_stages"] = num_stages
-        merge = dict(HQ=H * G, D=D, S_PAD=next_power_of_2(S), RNE=rne)
+        n_st = B * H * G * S
+        stats = n_st * D if has_v and S > 1 else 0
+        sc = _align(stats + 2 * n_st)
+        hist = _align(sc + B * H * G * n_keys) if scores else sc
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = (S, per, consts, merge)
+        plan = _PLANS[key] = _Plan(S, per, consts, stats, sc, hist, hist + B * H * topk.NHIST if scores else sc)
     return plan
+
+
+# The row counters of the merged passes (:func:`_split_kernel`'s ``Done``), per device: zero between launches (the
+# row's last program puts its counter back), so they are allocated (zeroed) once and never again per call. A CUDA
+# graph records their address: a buffer outgrown stays alive (``_DONE_ALL``), and none is made while a graph is being
+# captured (the capture's warm-up call makes it). Launches on one device share them, so the merged passes of two
+# streams of one device must not run at the same time.
+_DONE: dict = {}
+_DONE_ALL: list = []
+
+
+def _done(device, rows: int) -> torch.Tensor:
+    buf = _DONE.get(device)
+    if buf is None or buf.numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the decode kernels' row counters ({rows} rows) are made outside CUDA-graph capture: "
+                               "run the step once eagerly at this batch size before capturing it")
+        buf = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+        _DONE[device] = buf
+        _DONE_ALL.append(buf)
+    return buf
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
                counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
-    """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
+    """Launch the split-K kernel (one launch: the partials of several splits are merged by the row's last program).
+    Returns (out, Mx, Ls, Sc, Hist, S); the statistics, scores and histograms (views of one scratch tensor) only for
+    the scoring passes (``write_scores``), else None."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
     paged = block_table is not None
-    S, per, consts, merge = _plan(kind, B, H, G, D, n_keys, dev, q.dtype, paged, counts is not None,
-                                  (num_splits, block_n, num_warps, num_stages, programs_per_sm))
-    direct = S == 1
+    assert not write_scores or sc_row == n_keys
+    p = _plan(kind, B, H, G, D, n_keys, dev, q.dtype, paged, counts is not None,
+              (num_splits, block_n, num_warps, num_stages, programs_per_sm))
     ks, vs, page = _kv_args(k, v if v is not None else k, block_table)
-    Mx = torch.empty(B, HQ, S, dtype=torch.float32, device=dev)
-    Ls = torch.empty_like(Mx)
-    Acc = Mx if (direct or not has_v) else torch.empty(B, HQ, S, D, dtype=torch.float32, device=dev)
-    Sc = torch.empty(B, HQ, sc_row, dtype=torch.float32, device=dev) if write_scores else Mx
-    Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev) if write_scores else Mx
+    ws = torch.empty(p.size, dtype=torch.float32, device=dev)
     if has_v and out is None:
         out = torch.empty_like(q)
     istr = idx.stride() if sparse else (0, 0)
     if sparse:
         assert idx.dim() == 4 and idx.shape[2] == 1 and istr[-1] == 1
-    dummy = Mx
     if counts is not None:
         assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
+    if write_scores:
+        Sc = ws[p.sc:p.sc + B * HQ * sc_row].view(B, HQ, sc_row)
+        Hist = ws[p.hist:].view(torch.int32).view(B * H, topk.NHIST)
+    else:
+        Sc = Hist = ws
+    done = _done(dev, B * H) if has_v and p.S > 1 else ws
     qs = q.stride()
     os_ = out.stride() if out is not None else (0, 0)
-    _split_kernel[(S, H, B)](
-        q, k, v if v is not None else k, idx if sparse else dummy, counts if counts is not None else dummy,
-        meta.tensor if meta is not None else dummy,
-        block_table if paged else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
+    _split_kernel[(p.S, H, B)](
+        q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
+        meta.tensor if meta is not None else ws, block_table if paged else ws, out if out is not None else ws, ws,
+        done, Sc, Hist,
         qs[0], qs[1], *ks, *vs,
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
-        n_keys, per, sc_row, scale * LOG2E, PAGE=max(page, 1), **consts,
+        n_keys, p.per, sc_row, scale * LOG2E, PAGE=max(page, 1), **p.consts,
     )
-    if has_v and not direct:
-        _merge_kernel[(HQ, B)](out, Acc, Mx, Ls, os_[0], os_[1], S, **merge)
-    return out, Mx, Ls, Sc, Hist, S
+    if not write_scores:
+        return out, None, None, None, None, p.S
+    n_st = B * HQ * p.S
+    Mx = ws[p.stats:p.stats + n_st].view(B, HQ, p.S)
+    Ls = ws[p.stats + n_st:p.stats + 2 * n_st].view(B, HQ, p.S)
+    return out, Mx, Ls, Sc, Hist, p.S
 
 
 def _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, N):
