@@ -237,7 +237,7 @@ def pool_parts(q, k, meta, scale, sc, ch):
     (the refining passes, the threshold counts, the ordered write) is select_radix - score_only - pool_hist."""
     B, HQ = q.shape[:2]
     H = k.shape[1]
-    _, Mx, Ls, Sc, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
+    _, Stats, Sc, _, Hist, S = td._run_split(q, k, None, None, meta, None, None, scale=scale, n_keys=meta.n_max,
                                            sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **sc)
     chunk = ch or min(topk.TOPK_LAUNCH["decode"].keys_per_program, triton.next_power_of_2(meta.n_max))
     pooled = torch.empty(B * H, meta.n_max, dtype=torch.float32, device=q.device)
@@ -246,7 +246,7 @@ def pool_parts(q, k, meta, scale, sc, ch):
     def pool(hist):
         Hist.zero_()
         topk._pool_kernel[(triton.cdiv(meta.n_max, chunk), B * H)](
-            Sc, Mx, Ls, meta.tensor, pooled, Hist, state, meta.n_max, S, H=H, G=HQ // H,
+            Sc, Stats, meta.tensor, pooled, Hist, state, meta.n_max, S, H=H, G=HQ // H,
             GP=triton.next_power_of_2(HQ // H), S_PAD=triton.next_power_of_2(S), CH=chunk, NHIST=topk.NHIST,
             HIST=hist)
 

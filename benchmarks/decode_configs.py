@@ -6,8 +6,8 @@ shape wants, for the anchor's scoring pass, the sparse (reuse) pass and the dens
 ``python -m benchmarks.decode`` (without --no-tune) picks the one configuration that is best summed over three shapes; this sweeps each
 shape on its own, the number of splits included (the programs launched against what fits on the GPU at once), so
 that the launchers can choose per pass (``PASS_CONFIG`` in :mod:`kascade.ops.triton.decode`). For every shape and
-pass: the time of the current launch choice, the best found, and the full grid. Also the split kernel's merge alone
-(what a fused merge could save) and the graph replay of an empty kernel (the floor of one launch).
+pass: the time of the current launch choice, the best found, and the full grid (a pass over several splits includes
+its merge, made by each row's last program). Also the graph replay of an empty kernel (the floor of one launch).
 
 Timing as in benchmarks.decode: the op captured in a CUDA graph, replay timed by do_bench (median), L2 flushed.
 Writes decode_configs.json under --out (default out/decode_configs).
@@ -116,18 +116,6 @@ def main(argv=None):
             best = min(grid, key=lambda r: r["us"]) if grid else None
             row["passes"][name] = {"current_us": cur, "best": best, "grid": grid}
             log(f"{model} B={B} N={N} {name}: current {cur:.1f} us, best {best}")
-        # the merge alone at the current sparse launch
-        S, _ = td._splits(B * H, idx.shape[-1], td._default_config(D, "sparse")[0], dev, None,
-                          *td._per_sm("sparse", B * H, dev))
-        if S > 1:
-            Acc = torch.randn(B, HQ, S, D, device=dev)
-            Mx = torch.randn(B, HQ, S, device=dev)
-            Ls = torch.rand(B, HQ, S, device=dev) + 0.5
-            o = torch.empty_like(q)
-            row["merge_us"] = bench(lambda: td._merge_kernel[(HQ, B)](
-                o, Acc, Mx, Ls, o.stride(0), o.stride(1), S, HQ=HQ, D=D, S_PAD=triton.next_power_of_2(S), RNE=False))
-            row["merge_splits"] = S
-            log(f"  merge alone (S={S}): {row['merge_us']:.1f} us")
         result["shapes"].append(row)
         (out_dir / "decode_configs.json").write_text(json.dumps(result, indent=1))
         del q, k, v, idx

@@ -149,8 +149,9 @@ def test_radix_selection_breaks_exact_ties_by_position(scores):
         mx[b] = sc[b, :, : n[b]].amax(-1, keepdim=True)
         ls[b] = torch.exp2(sc[b, :, : n[b]] - mx[b]).sum(-1, keepdim=True)
     hist = scoring_hist(B * H)  # garbage beyond the bins the scoring pass zeroes: a fallback row zeroes its own
-    indices = topk.select_rows(dev(sc.contiguous()), dev(mx.contiguous()), dev(ls.contiguous()), dev(hist), 1, meta,
-                               B, H, G, method="radix", chunk=64).cpu()
+    stats = torch.cat([mx.flatten(), ls.flatten()])  # the split maxima [B, HQ, 1], then the sums
+    indices = topk.select_rows(dev(sc.contiguous()), dev(stats), dev(hist), 1, meta, B, H, G, method="radix",
+                               chunk=64).cpu()
     for b in range(B):
         kb = BUDGET.decode(n[b])
         s = sc[b, 0, : n[b]]

@@ -20,6 +20,13 @@ top-k selection itself lives in :mod:`kascade.ops.triton.topk`.
 Numerics: scores and softmax in fp32 (log2 domain); ``p @ v`` on the tensor cores with ``p`` split into two
 value-dtype parts (high + low), so the weights keep ~16 bits instead of bf16's 8; split-K partials merged by
 log-sum-exp in fp32. The error is then that of rounding an exact result to the output dtype.
+
+One launch a pass: a pass with V over several splits writes each split's partial (max, sum, accumulator) and the
+last program of each (sequence, KV head) to finish (an acquire-release ticket on a per-device row counter) merges
+them and writes the output; it puts the counter back to zero, so the counters, zeroed once when allocated, stay zero
+between launches and CUDA graph replays (no memset). Eager decoding at batch 1 is bound by the host's time per
+launch and per allocation (tens of microseconds against a few of GPU time), hence also one scratch allocation a
+pass (:class:`_Plan`).
 """
 
 from __future__ import annotations
@@ -61,19 +68,17 @@ def _split_kernel(
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows).
 
-    ``Ws``: the pass's fp32 scratch, ``[Acc [B, HQ, S, D] (with V and S > 1)] [Mx [B, HQ, S]] [Ls [B, HQ, S]]``.
+    ``Ws``: the pass's fp32 scratch, ``[Mx [B, HQ, S]] [Ls [B, HQ, S]] [Acc [B, HQ, S, D] (with V and S > 1)]``, Acc
+    at the first multiple of 64 elements.
     ``Done [>= B * H]`` int32, zero between launches: with V and S > 1, the row's last program to finish merges."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     S = tl.num_programs(0)
     n_st = tl.num_programs(2) * H * G * S  # partials of the launch
-    Acc = Ws
-    if HAS_V and not DIRECT:
-        Mx = Ws + n_st.to(tl.int64) * D
-    else:
-        Mx = Ws
-    Ls = Mx + n_st
+    Mx = Ws
+    Ls = Ws + n_st
+    Acc = Ws + ((2 * n_st + 63) // 64) * 64  # aligned (the compiler sees the factor 64: vector loads and stores)
     b64 = b.to(tl.int64)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
@@ -293,15 +298,14 @@ _MAX_PLANS = 4096
 @dataclass(frozen=True)
 class _Plan:
     """One pass's launch: splits, keys per split, the kernel's constexprs and launch keywords, and its fp32 scratch
-    (one allocation): ``[Acc [B, HQ, S, D] (merged passes)] [Mx, Ls [B, HQ, S]] [Sc [B, HQ, sc_row]] [Hist [B*H,
-    NHIST] int32]`` (scores and histograms: the scoring passes), each region at an offset of 64 elements."""
+    (one allocation): ``[Mx, Ls [B, HQ, S]] [Acc [B, HQ, S, D] (merged passes)] [Sc [B, HQ, sc_row]] [Pooled [B*H,
+    sc_row]]`` (scores and pooled rows: the scoring passes), each region at a multiple of 64 elements."""
 
     S: int
     per: int
     consts: dict
-    stats: int  # offset of Mx (Ls follows at stats + B*HQ*S)
     sc: int  # offset of Sc
-    hist: int  # offset of Hist
+    pooled: int  # offset of Pooled
     size: int  # elements of the scratch
 
 
@@ -329,12 +333,11 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
         if num_stages is not None:
             consts["num_stages"] = num_stages
         n_st = B * H * G * S
-        stats = n_st * D if has_v and S > 1 else 0
-        sc = _align(stats + 2 * n_st)
-        hist = _align(sc + B * H * G * n_keys) if scores else sc
+        sc = _align(_align(2 * n_st) + (n_st * D if has_v and S > 1 else 0))
+        pooled = _align(sc + B * H * G * n_keys) if scores else sc
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _Plan(S, per, consts, stats, sc, hist, hist + B * H * topk.NHIST if scores else sc)
+        plan = _PLANS[key] = _Plan(S, per, consts, sc, pooled, pooled + B * H * n_keys if scores else sc)
     return plan
 
 
@@ -362,8 +365,9 @@ def _done(device, rows: int) -> torch.Tensor:
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
                counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
     """Launch the split-K kernel (one launch: the partials of several splits are merged by the row's last program).
-    Returns (out, Mx, Ls, Sc, Hist, S); the statistics, scores and histograms (views of one scratch tensor) only for
-    the scoring passes (``write_scores``), else None."""
+    Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
+    selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
+    rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -381,8 +385,8 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     if counts is not None:
         assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
     if write_scores:
-        Sc = ws[p.sc:p.sc + B * HQ * sc_row].view(B, HQ, sc_row)
-        Hist = ws[p.hist:].view(torch.int32).view(B * H, topk.NHIST)
+        Sc = ws[p.sc:p.pooled]
+        Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev)
     else:
         Sc = Hist = ws
     done = _done(dev, B * H) if has_v and p.S > 1 else ws
@@ -399,10 +403,7 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     )
     if not write_scores:
         return out, None, None, None, None, p.S
-    n_st = B * HQ * p.S
-    Mx = ws[p.stats:p.stats + n_st].view(B, HQ, p.S)
-    Ls = ws[p.stats + n_st:p.stats + 2 * n_st].view(B, HQ, p.S)
-    return out, Mx, Ls, Sc, Hist, p.S
+    return out, ws, Sc, ws[p.pooled:], Hist, p.S
 
 
 def _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, N):
@@ -443,10 +444,10 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     return out
 
 
-def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype) -> Selection:
+def _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype) -> Selection:
     if rank_factor is not None:  # ranked: each sequence keeps Budget.decode_counts(n_b, rank_factor) keys (device ops)
         meta = meta.with_counts(budget, rank_factor)
-    indices = topk.select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, method=method, chunk=chunk,
+    indices = topk.select_rows(Sc, Stats, Hist, S, meta, B, H, G, method=method, chunk=chunk, pooled=Pooled,
                                ranked=rank_factor is not None, index_dtype=index_dtype)
     return Selection(indices=indices, row_start=torch.zeros(B, dtype=torch.long, device=Sc.device),
                      tile=budget.tile, decode=True, ranked=rank_factor is not None)
@@ -468,9 +469,10 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
-    _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
-                                        sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
-    return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
+    _, Stats, Sc, Pooled, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale,
+                                               n_keys=meta.n_max, sparse=False, has_v=False, write_scores=True,
+                                               sc_row=meta.n_max, **cfg)
+    return _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
@@ -481,9 +483,11 @@ def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offs
     pass over K and V. ``-> (out, Selection)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
-    out, Mx, Ls, Sc, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale, n_keys=meta.n_max,
-                                          sparse=False, has_v=True, write_scores=True, sc_row=meta.n_max, **cfg)
-    return out, _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
+    out, Stats, Sc, Pooled, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale,
+                                                 n_keys=meta.n_max, sparse=False, has_v=True, write_scores=True,
+                                                 sc_row=meta.n_max, **cfg)
+    return out, _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor,
+                           index_dtype)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,

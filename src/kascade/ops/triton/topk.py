@@ -127,13 +127,16 @@ def _first_histogram(Hrow, key, ok, e_hi, CH: tl.constexpr):
 
 
 @triton.jit
-def _pool_kernel(Sc, Mx, Ls, Meta, Pooled, Hist, State, sc_row, S,
+def _pool_kernel(Sc, Stats, Meta, Pooled, Hist, State, sc_row, S,
                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S_PAD: tl.constexpr,
                  CH: tl.constexpr, NHIST: tl.constexpr, HIST: tl.constexpr):
     """Pooled probabilities of one chunk of one (sequence, KV head) row, and the first radix histogram (then the
-    row's last program finds the bin of its k-th element)."""
+    row's last program finds the bin of its k-th element). ``Stats``: the scoring pass's split maxima ``[B, HQ, S]``
+    followed by its sums."""
     c = tl.program_id(0)
     row = tl.program_id(1)
+    Mx = Stats
+    Ls = Stats + tl.num_programs(1) * G * S
     b = row // H
     h = row % H
     n = tl.load(Meta + b * 4 + 1)
@@ -335,26 +338,28 @@ def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H,
                              H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged)
 
 
-def select_rows(Sc, Mx, Ls, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
-                index_dtype=torch.long) -> torch.Tensor:
+def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
+                index_dtype=torch.long, pooled=None) -> torch.Tensor:
     """Top-k keys of every (sequence, KV head) row of a decode step: ``[B, H, 1, KMAX]`` key slots in
     ``index_dtype`` (int64 or int32; logical positions when paged), -1 padded; ``meta``
-    (:class:`kascade.ops.step.DecodeMeta`) gives each row's count ``k_b``. ``Sc [B, HQ, sc_row]``: fp32 scores
-    (log2 domain), ``Mx, Ls [B, HQ, S]``: per-split softmax maxima and sums, ``Hist [B*H, NHIST]`` zeroed (its
-    :data:`HOT` bins and tickets at least, :func:`zero_hist`).
+    (:class:`kascade.ops.step.DecodeMeta`) gives each row's count ``k_b``. ``Sc``: fp32 scores (log2 domain),
+    ``[B, HQ, sc_row]`` contiguous (any shape) with ``sc_row = meta.n_max``; ``Stats``: per-split softmax maxima
+    ``[B, HQ, S]`` followed by the sums ``[B, HQ, S]``; ``Hist [B*H, NHIST]`` zeroed (its :data:`HOT` bins and
+    tickets at least, :func:`zero_hist`); ``pooled``: room for the pooled rows (``B*H*sc_row`` fp32, contiguous;
+    allocated here if None).
     ``method``: "radix" (exact, ties to the earliest keys) or "topk" (``torch.topk`` on the pooled row). Ascending
     slots, or with ``ranked`` in descending pooled probability (the radix select picks the keys, then only they are
     sorted)."""
     dev = Sc.device
-    sc_row = Sc.shape[-1]
+    sc_row = meta.n_max
     KMAX = meta.k_max
     ch = chunk or min(TOPK_LAUNCH["decode"].keys_per_program, next_power_of_2(meta.n_max))
     C = cdiv(meta.n_max, ch)
     rows = B * H
-    Pooled = torch.empty(rows, sc_row, dtype=torch.float32, device=dev)
+    Pooled = pooled if pooled is not None else torch.empty(rows * sc_row, dtype=torch.float32, device=dev)
     State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
-    _pool_kernel[(C, rows)](Sc, Mx, Ls, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
+    _pool_kernel[(C, rows)](Sc, Stats, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
                             GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST,
                             HIST=radix)
     if radix:
