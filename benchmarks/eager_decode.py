@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 
 def _parse(argv):
@@ -92,6 +93,7 @@ def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict) -> dict
     import torch
     import torch.nn.functional as F
     from transformers import LlamaConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     import kascade
     from kascade.plan import KascadePlan, ModelFingerprint
@@ -113,11 +115,22 @@ def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict) -> dict
         return fwd
 
     def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True)
+        return lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True)
 
-    fns = {"dense (SDPA)": lambda: sdpa}
-    fns["reuse"] = lambda: (lambda fwd=step(): lambda: attn(reuse_layer, q, k, v, fwd))()
-    fns["anchor"] = lambda: (lambda fwd=step(): lambda: attn(anchor_layer, q, k, v, fwd))()
+    def sdpa_function():  # what transformers' LlamaAttention calls for dense decode (no mask: one query)
+        mod = SimpleNamespace(is_causal=True, num_key_value_groups=HQ // H, training=False)
+        return lambda: sdpa_attention_forward(mod, q, k, v, None, scaling=D**-0.5, dropout=0.0)
+
+    def reuse():
+        fwd = step()
+        return lambda: attn(reuse_layer, q, k, v, fwd)
+
+    def anchor():
+        fwd = step()
+        return lambda: attn(anchor_layer, q, k, v, fwd)
+
+    fns = {"dense (SDPA)": sdpa, "dense (transformers' SDPA function)": sdpa_function, "reuse": reuse,
+           "anchor": anchor}
     rows: dict = {name: [] for name in fns}
     with torch.no_grad():
         for name, make in fns.items():  # compile every kernel before timing

@@ -177,3 +177,18 @@ def test_host_overhead_runs_and_times_every_layer_kind(capsys):
     assert n["reuse"] >= 1 and n["anchor"] > n["reuse"] and n["layer 0"] > n["reuse"]
     assert r["setup"]["anchors"] == [0, 3] and decode._split_kernel is kernel
     assert "| reuse |" in capsys.readouterr().out
+
+
+def test_eager_decode_quick_runs_every_measurement(tmp_path):
+    """python -m benchmarks.eager_decode --quick (tiny shapes; on a CPU the kernels in Triton's interpreter): every
+    layer call and both generate runs get a time, and the JSON and the summary are written."""
+    from benchmarks import eager_decode
+
+    r = eager_decode.main(["--quick", "--out", str(tmp_path)])
+    m = r["layers"][0]["median"]
+    assert set(m) == {"dense (SDPA)", "dense (transformers' SDPA function)", "reuse", "anchor"}
+    assert all(row["host_us"] > 0 and row["back_to_back_us"] > 0 for row in m.values())
+    (gen,) = r["generate"]
+    assert gen["runs"] and all(run["dense_itl_ms"] > 0 and run["kascade_itl_ms"] > 0 for run in gen["runs"])
+    assert (tmp_path / "eager_decode.json").exists()
+    assert "| reuse |" in (tmp_path / "summary.txt").read_text()
