@@ -170,7 +170,7 @@ def test_compiled_generate_on_the_triton_backend_keeps_the_prefill_kernels(monke
     mask[1, :3] = 0
     calls = []
     for mod, names in ((prefill, ("dense_select_prefill", "select_prefill", "sparse_prefill")),
-                       (decode, ("dense_select_decode", "select_decode", "sparse_decode"))):
+                       (decode, ("dense_select_decode_indices", "select_decode_indices", "sparse_decode"))):
         for name in names:
             orig = getattr(mod, name)
             monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
@@ -183,7 +183,7 @@ def test_compiled_generate_on_the_triton_backend_keeps_the_prefill_kernels(monke
     # prefill: layer 0 (its selection inside), anchor 2, and three sparse layers; then 3 decode steps of 2 anchors
     # and 3 sparse layers (the first token comes from the prefill)
     assert calls.count("dense_select_prefill") == 1 and calls.count("sparse_prefill") == 3
-    assert calls.count("dense_select_decode") == 3 and calls.count("sparse_decode") == 9
+    assert calls.count("dense_select_decode_indices") == 3 and calls.count("sparse_decode") == 9
 
 
 def test_inductor_compiles_a_kascade_decode_step():

@@ -37,7 +37,7 @@ def _kernel_calls(monkeypatch):
     from kascade.ops.triton import decode, prefill
 
     calls = []
-    for mod, names in ((decode, ("dense_select_decode", "select_decode", "sparse_decode")),
+    for mod, names in ((decode, ("dense_select_decode_indices", "select_decode_indices", "sparse_decode")),
                        (prefill, ("dense_select_prefill", "select_prefill", "sparse_prefill"))):
         for name in names:
             orig = getattr(mod, name)
@@ -75,7 +75,7 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
     # and the anchors' selections of those passes are made in it (decode included: the radix select writes int32)
     kept = [sel for fwd in forwards[1:] for sel in fwd.selections.values()]
     assert len(kept) >= 3 and all(sel.indices.dtype == torch.int32 for sel in kept)
-    assert calls.count("dense_select_decode") == 2 and calls.count("select_decode") == 4
+    assert calls.count("dense_select_decode_indices") == 2 and calls.count("select_decode_indices") == 4
     assert calls.count("sparse_decode") == 6
 
 

@@ -24,7 +24,7 @@ def test_public_ops_dispatch_to_triton(L, N, monkeypatch):
 
     calls = []
     mod = decode if L == 1 else prefill
-    for name in ("dense_decode", "select_decode", "sparse_decode") if L == 1 else \
+    for name in ("dense_decode", "select_decode_indices", "sparse_decode") if L == 1 else \
             ("dense_prefill", "select_prefill", "sparse_prefill"):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])

@@ -105,8 +105,8 @@ def _select_decode(q: torch.Tensor, k: torch.Tensor, meta: torch.Tensor, keys: i
                    k_min: int, rank_factor: Optional[float], index_dtype: torch.dtype, backend: str) -> torch.Tensor:
     b = _budget(ratio, k_min)
     if backend == "triton":
-        return _triton(True).select_decode(q, k, budget=b, scale=scale, meta=_meta(meta, keys, b),
-                                           rank_factor=rank_factor, index_dtype=index_dtype).indices
+        return _triton(True).select_decode_indices(q, k, budget=b, scale=scale, meta=_meta(meta, keys, b),
+                                                   rank_factor=rank_factor, index_dtype=index_dtype)
     return reference.select_decode(q, k, scale=scale, meta=meta, budget=b, width=decode_width(keys, ratio, k_min,
                                    rank_factor), rank_factor=rank_factor).to(index_dtype)
 
@@ -116,9 +116,8 @@ def _dense_select_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta
                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     b = _budget(ratio, k_min)
     if backend == "triton":
-        out, sel = _triton(True).dense_select_decode(q, k, v, budget=b, scale=scale, meta=_meta(meta, keys, b),
-                                                     rank_factor=rank_factor, index_dtype=index_dtype)
-        return out, sel.indices
+        return _triton(True).dense_select_decode_indices(q, k, v, budget=b, scale=scale, meta=_meta(meta, keys, b),
+                                                         rank_factor=rank_factor, index_dtype=index_dtype)
     out, idx = reference.dense_select_decode(q, k, v, scale=scale, meta=meta, budget=b, rank_factor=rank_factor,
                                              width=decode_width(keys, ratio, k_min, rank_factor))
     return out, idx.to(index_dtype)

@@ -444,23 +444,34 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     return out
 
 
-def _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype) -> Selection:
+def _indices(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype):
     if rank_factor is not None:  # ranked: each sequence keeps Budget.decode_counts(n_b, rank_factor) keys (device ops)
         meta = meta.with_counts(budget, rank_factor)
-    indices = topk.select_rows(Sc, Stats, Hist, S, meta, B, H, G, method=method, chunk=chunk, pooled=Pooled,
-                               ranked=rank_factor is not None, index_dtype=index_dtype)
-    return Selection(indices=indices, row_start=torch.zeros(B, dtype=torch.long, device=Sc.device),
+    return topk.select_rows(Sc, Stats, Hist, S, meta, B, H, G, method=method, chunk=chunk, pooled=Pooled,
+                            ranked=rank_factor is not None, index_dtype=index_dtype)
+
+
+def _selection(indices, budget: Budget, rank_factor) -> Selection:
+    return Selection(indices=indices, row_start=torch.zeros(indices.shape[0], dtype=torch.long, device=indices.device),
                      tile=budget.tile, decode=True, ranked=rank_factor is not None)
 
 
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
-def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", chunk=None, rank_factor=None, index_dtype=torch.long, **cfg) -> Selection:
+def select_decode(q, k, *, budget: Budget, scale, rank_factor=None, **kw) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
-    ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
-    the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of the
-    selection's indices, int64 (default) or int32 (the Triton steps' :attr:`kascade.ops.Step.index_dtype`: half the
-    memory, and the sparse kernel reading them 2-3% faster, the decode benchmark's ``reuse_int32``).
+    ``budget.decode(n_b)`` keys per (sequence, KV head): :func:`select_decode_indices` as a :class:`Selection`."""
+    return _selection(select_decode_indices(q, k, budget=budget, scale=scale, rank_factor=rank_factor, **kw), budget,
+                      rank_factor)
+
+
+def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
+                          seq_lens=None, meta=None, method="radix", chunk=None, rank_factor=None,
+                          index_dtype=torch.long, **cfg) -> torch.Tensor:
+    """The indices ``[B, H, 1, KMAX]`` of :func:`select_decode`'s selection (no ``row_start``: a launch of its own
+    that :mod:`kascade.ops`, which has the step's, does not need). ``method``: "radix" (Triton radix select, exact:
+    ties at the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of
+    the selection's indices, int64 (default) or int32 (the Triton steps' :attr:`kascade.ops.Step.index_dtype`: half
+    the memory, and the sparse kernel reading them 2-3% faster, the decode benchmark's ``reuse_int32``).
 
     ``rank_factor`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, rank_factor)`` keys in descending pooled probability,
@@ -472,22 +483,27 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     _, Stats, Sc, Pooled, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale,
                                                n_keys=meta.n_max, sparse=False, has_v=False, write_scores=True,
                                                sc_row=meta.n_max, **cfg)
-    return _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
+    return _indices(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
-def dense_select_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
-                        seq_lens=None, meta=None, method="radix", out=None, chunk=None, rank_factor=None,
-                        index_dtype=torch.long, **cfg):
+def dense_select_decode(q, k, v, *, budget: Budget, scale, rank_factor=None, **kw):
     """Layer 0: the dense output and the selection (ranked with ``rank_factor``, see :func:`select_decode`) from one
     pass over K and V. ``-> (out, Selection)``."""
+    out, indices = dense_select_decode_indices(q, k, v, budget=budget, scale=scale, rank_factor=rank_factor, **kw)
+    return out, _selection(indices, budget, rank_factor)
+
+
+def dense_select_decode_indices(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
+                                seq_lens=None, meta=None, method="radix", out=None, chunk=None, rank_factor=None,
+                                index_dtype=torch.long, **cfg):
+    """:func:`dense_select_decode` with the selection's indices alone. ``-> (out, indices)``."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     out, Stats, Sc, Pooled, Hist, S = _run_split(q, k, v, None, meta, block_table, out, scale=scale,
                                                  n_keys=meta.n_max, sparse=False, has_v=True, write_scores=True,
                                                  sc_row=meta.n_max, **cfg)
-    return out, _selection(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor,
-                           index_dtype)
+    return out, _indices(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 
 def anchor_decode(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
