@@ -1,7 +1,7 @@
 """Host time of an eager decode step's attention, per layer kind, with the Triton kernels stubbed: what Python, the
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
-    python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--json FILE]
+    python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--no-gc] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
 it) at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128, 32 layers, 5 anchors: the uniform plan
@@ -22,6 +22,7 @@ On a CPU, torch runs one thread here (on a busy machine the idle threads' spinni
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -42,6 +43,9 @@ def _parse(argv):
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")
+    p.add_argument("--no-gc", action="store_true",
+                   help="Python's garbage collector off while timing: its pauses otherwise land on whichever call "
+                   "allocates when they come, which makes a comparison of two trees noisy")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     return p.parse_args(argv)
 
@@ -181,7 +185,8 @@ def table(r: dict, env: str) -> str:
     how = "kernels launched" if s.get("launched") else "kernels stubbed"
     lines = [f"host time per layer, {how}; {env}",
              f"static-cache decode step, B={s['batch']}, {s['keys']} slots, {s['layers']} layers, anchors "
-             f"{s['anchors']}, bf16, Triton backend; median of {s['steps']} steps", "",
+             f"{s['anchors']}, bf16, Triton backend; median of {s['steps']} steps"
+             + ("" if s.get("gc", True) else ", garbage collector off"), "",
              "| layer | host us | kernel launches |", "|---|---|---|"]
     for kind, t in r["us"].items():
         n = r["launches"].get(kind)
@@ -203,8 +208,15 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
     if args.launch and not device.startswith("cuda"):
         raise SystemExit("--launch needs a CUDA device")
-    r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
-                anchors=args.anchors, batch=args.batch, launch=args.launch)
+    if args.no_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
+                    anchors=args.anchors, batch=args.batch, launch=args.launch)
+    finally:
+        gc.enable()
+    r["setup"]["gc"] = not args.no_gc
     env = environment(device)
     print(table(r, env))
     if args.json:
