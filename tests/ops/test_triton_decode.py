@@ -351,3 +351,17 @@ def test_a_decode_layer_launches_one_kernel_per_pass(launches):
     td.dense_select_decode(q, k, v, budget=BUDGET, scale=D**-0.5, meta=meta, num_splits=4)
     assert launches == passes
     assert not td._DONE[q.device].any()
+
+
+def test_row_counters_are_made_once_and_outgrown_ones_stay_alive(monkeypatch):
+    """The merged passes' row counters: one zeroed buffer per device, reused by every launch (no allocation or
+    memset per call), replaced by a larger one when a launch has more rows; the one replaced stays alive (a CUDA
+    graph may hold its address)."""
+    monkeypatch.setattr(td, "_DONE", {})
+    monkeypatch.setattr(td, "_DONE_ALL", [])
+    first = td._done(DEVICE, 10)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    assert td._done(DEVICE, first.numel()) is first
+    larger = td._done(DEVICE, first.numel() + 1)
+    assert larger.numel() > first.numel() and not larger.any() and td._done(DEVICE, 10) is larger
+    assert [b is first for b in td._DONE_ALL] == [True, False] and td._DONE_ALL[1] is larger

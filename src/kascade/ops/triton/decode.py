@@ -342,10 +342,10 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
 
 
 # The row counters of the merged passes (:func:`_split_kernel`'s ``Done``), per device: zero between launches (the
-# row's last program puts its counter back), so they are allocated (zeroed) once and never again per call. A CUDA
-# graph records their address: a buffer outgrown stays alive (``_DONE_ALL``), and none is made while a graph is being
-# captured (the capture's warm-up call makes it). Launches on one device share them, so the merged passes of two
-# streams of one device must not run at the same time.
+# row's last program puts its counter back), so they are allocated (zeroed) once, not per call. A CUDA graph records
+# their address: a buffer outgrown stays alive (``_DONE_ALL``), and none is made while a graph is being captured (the
+# capture's warm-up call makes it). Launches on one device share them, so the merged passes of two streams of one
+# device must not run at the same time.
 _DONE: dict = {}
 _DONE_ALL: list = []
 
@@ -353,12 +353,24 @@ _DONE_ALL: list = []
 def _done(device, rows: int) -> torch.Tensor:
     buf = _DONE.get(device)
     if buf is None or buf.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the decode kernels' row counters ({rows} rows) are made outside CUDA-graph capture: "
-                               "run the step once eagerly at this batch size before capturing it")
-        buf = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
-        _DONE[device] = buf
+        buf = _DONE[device] = _counters(device, max(rows, 1024))
         _DONE_ALL.append(buf)
+    return buf
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 counters on ``device``, in the caching allocator's own pool. On CUDA they are made on a
+    stream of their own: allocations of the current stream may be going to a CUDA graph's private pool (torch.compile's
+    "reduce-overhead" runs its warm-up calls there), whose memory later graphs reuse."""
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the decode kernels' row counters ({n}) are made outside CUDA-graph capture: run the "
+                           "decode step once eagerly at this batch size before capturing it")
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        buf = torch.zeros(n, dtype=torch.int32, device=device)
+    side.synchronize()
     return buf
 
 
