@@ -45,7 +45,7 @@ def variants():
     D = 128; the default model's: G = 3, D = 64; Gemma's head size: G = 2, D = 256)."""
     for D, G in ((128, 4), (64, 3), (256, 2)):
         base = dict(H=8, G=G, GP=td._gp(G), D=D, PAGE=1, PAGED=False, F32=False, NHIST=topk.NHIST, RNE=False,
-                    HAS_CNT=False, MAXB=1, S_PAD=64)
+                    HAS_CNT=False, MAXB=1, SB=td._merge_block(64, D))
         for kind, flags in (("score", dict(SPARSE=False, HAS_V=False, WRITE_SCORES=True, DIRECT=False)),
                             ("dense_scores", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=True, DIRECT=False)),
                             ("dense", dict(SPARSE=False, HAS_V=True, WRITE_SCORES=False, DIRECT=False)),

@@ -365,3 +365,31 @@ def test_row_counters_are_made_once_and_outgrown_ones_stay_alive(monkeypatch):
     larger = td._done(DEVICE, first.numel() + 1)
     assert larger.numel() > first.numel() and not larger.any() and td._done(DEVICE, 10) is larger
     assert [b is first for b in td._DONE_ALL] == [True, False] and td._DONE_ALL[1] is larger
+
+
+@pytest.mark.parametrize("page", [0, 16], ids=["contig", "paged16"])
+def test_the_merge_takes_many_splits_in_blocks(page, monkeypatch):
+    """More splits than the merge takes at once (forced here: 2 a block, 5 splits): the blocks are combined by
+    rescaling, and the outputs still match the reference."""
+    monkeypatch.setattr(td, "_PLANS", {})
+    monkeypatch.setattr(td, "_merge_block", lambda S, D: 2)
+    case = (2, 2, 4, sized(257), 128, torch.bfloat16, page, 5)
+    B, H, G, N, D, dt, _, S = case
+    q64, k64, v64, kv_start, q_offset = _inputs(case, 11)
+    q, k, v = q64.to(dt), k64.to(dt), v64.to(dt)
+    kk, vv, lay = _layout(case, k, v, kv_start, q_offset, 11)
+    pos = {"kv_start": kv_start, "q_offset": q_offset, "backend": "reference"}
+    got = td.dense_decode(dev(q), kk, vv, scale=D**-0.5, out=nan_like(dev(q)), num_splits=S, **lay)
+    check_close(got, dense_attention(q.double(), k.double(), v.double(), **pos), dense_attention(q, k, v, **pos),
+                "dense")
+    sel = select(q, k, budget=BUDGET, **pos)
+    idx = sel.indices if not page else torch.where(sel.indices >= 0, sel.indices - kv_start[:, None, None, None], -1)
+    got = td.sparse_decode(dev(q), kk, vv, dev(idx.to(torch.int32)), scale=D**-0.5, out=nan_like(dev(q)),
+                           num_splits=S, block_n=16, **({"block_table": lay["block_table"]} if page else {}))
+    check_close(got, sparse_attention(q.double(), k.double(), v.double(), sel, **pos),
+                sparse_attention(q, k, v, sel, **pos), "sparse")
+    plan = td._plan("sparse", B, H, G, D, idx.shape[-1], DEVICE, dt, bool(page), False, (S, 16, None, None, None))
+    assert plan.S > 2 and plan.consts["SB"] == 2, "the blocks were not exercised"
+    n_max = q_offset + 1  # sequence 0 starts at slot 0
+    assert td._plan("dense", B, H, G, D, n_max, DEVICE, dt, bool(page), False, (S, None, None, None, None)).S > 2
+    assert not td._DONE[DEVICE].any()

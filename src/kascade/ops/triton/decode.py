@@ -64,7 +64,7 @@ def _split_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, S_PAD: tl.constexpr,
+    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, SB: tl.constexpr,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows).
 
@@ -173,34 +173,37 @@ def _split_kernel(
             tl.debug_barrier()
             done = Done + b * H + h
             if tl.atomic_add(done, 1, sem="acq_rel") == S - 1:
-                _merge(Out, Acc, Mx, Ls, b64, hq, (b * H * G + hq) * S, gm, S, stride_ob, stride_oh, GP, D, S_PAD,
-                       RNE)
+                _merge(Out, Acc, Mx, Ls, b64, h, S, stride_ob, stride_oh, H, G, D, SB, RNE)
                 tl.store(done, 0)
 
 
 @triton.jit
-def _merge(Out, Acc, Mx, Ls, b64, hq, row, gm, S, stride_ob, stride_oh, GP: tl.constexpr, D: tl.constexpr,
-           S_PAD: tl.constexpr, RNE: tl.constexpr):
-    """Log-sum-exp merge of the S split partials of the G query heads ``hq`` of one (sequence, KV head), whose
-    first partials are at ``row [GP]``."""
-    offs_s = tl.arange(0, S_PAD)
+def _merge(Out, Acc, Mx, Ls, b64, h, S, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+           SB: tl.constexpr, RNE: tl.constexpr):
+    """Log-sum-exp merge of the S split partials of each of the G query heads of KV head ``h``: a head's partials
+    in blocks of SB splits (one block when S <= SB: loads issued together, one round trip to L2 a head)."""
     offs_d = tl.arange(0, D)
-    stp = row[:, None] + offs_s[None, :]  # [GP, S_PAD]
-    ok = gm[:, None] & (offs_s < S)[None, :]
-    m = tl.load(Mx + stp, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(Ls + stp, mask=ok, other=0.0, cache_modifier=".cg")
-    mx = tl.where(gm, tl.max(m, 1), 0.0)
-    w = tl.exp2(m - mx[:, None])  # splits without keys have m = -inf: weight 0
-    den = tl.sum(l * w, 1)  # [GP]
-    num = tl.zeros([GP, D], tl.float32)
-    for s in range(S):  # [GP, D] a split: a [GP, S, D] block would not fit in registers
-        w_s = tl.exp2(tl.load(Mx + row + s, mask=gm, other=float("-inf"), cache_modifier=".cg") - mx)
-        acc = tl.load(Acc + (row + s)[:, None].to(tl.int64) * D + offs_d[None, :], mask=gm[:, None], other=0.0,
-                      cache_modifier=".cg")
-        num += acc * w_s[:, None]
-    o = num / tl.where(gm, den, 1.0)[:, None]
-    tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + offs_d[None, :], to_out(o, Out.dtype.element_ty, RNE),
-             mask=gm[:, None])
+    offs_s = tl.arange(0, SB)
+    for g in range(G):
+        hq = h * G + g
+        row = (b64 * (H * G) + hq) * S  # the head's first partial
+        mx = tl.full([], float("-inf"), tl.float32)
+        num = tl.zeros([D], tl.float32)
+        den = tl.zeros([], tl.float32)
+        for s0 in range(0, S, SB):
+            s = s0 + offs_s
+            ok = s < S
+            acc = tl.load(Acc + (row + s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")  # [SB, D]
+            m = tl.load(Mx + row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l = tl.load(Ls + row + s, mask=ok, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(mx, tl.max(m, 0))  # finite from the first block on: split 0 holds keys
+            alpha = tl.exp2(mx - m_new)  # 0 at the first block: one block is the plain merge
+            w = tl.exp2(m - m_new)  # splits without keys have m = -inf: weight 0
+            num = num * alpha + tl.sum(acc * w[:, None], 0)
+            den = den * alpha + tl.sum(l * w, 0)
+            mx = m_new
+        tl.store(Out + b64 * stride_ob + hq * stride_oh + offs_d, to_out(num / den, Out.dtype.element_ty, RNE))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,6 +312,12 @@ class _Plan:
     size: int  # elements of the scratch
 
 
+def _merge_block(S: int, D: int) -> int:
+    """Splits a block of the merge (:func:`_merge`) takes at once: all of them up to 8,192 accumulator values (64
+    registers a thread at 4 warps)."""
+    return min(next_power_of_2(S), max(1, 8192 // D))
+
+
 def _align(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -329,7 +338,7 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
         sparse, has_v, scores = kind == "sparse", kind != "score", kind in ("score", "dense_scores")
         consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=has_v,
                       WRITE_SCORES=scores, DIRECT=S == 1, F32=f32, NHIST=topk.NHIST, RNE=rne, HAS_CNT=counts,
-                      MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, S_PAD=next_power_of_2(S), num_warps=nw)
+                      MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, SB=_merge_block(S, D), num_warps=nw)
         if num_stages is not None:
             consts["num_stages"] = num_stages
         n_st = B * H * G * S
