@@ -3,9 +3,9 @@ in one process, at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128
 
     python -m benchmarks.eager_decode [--out DIR] [--rounds 3] [--lengths 32768,131072] [--layers 8] [--quick]
 
-(a) One attention layer of a decode step, called as the model calls it: Kascade's reuse layer and anchor layer
-(``kascade.Attention`` on the Triton backend, a static-cache step: the geometry on the device) against
-``torch.nn.functional.scaled_dot_product_attention``. Per call: the host's time (the call's wall time, the GPU idle
+(a) One attention layer of a decode step: Kascade's reuse layer and anchor layer (``kascade.Attention``'s per-layer
+call on the Triton backend, a static-cache step: the geometry on the device) against
+``torch.nn.functional.scaled_dot_product_attention`` and transformers' SDPA attention function. Per call: the host's time (the call's wall time, the GPU idle
 before it), the device's span (CUDA events around the call: the GPU's time including its waits for the launches),
 back-to-back eager calls (wall time per call over many, synchronised at the end: what an eager decode step pays) and
 the CUDA-graph replay (the GPU's time alone, ``benchmarks.common.timing``).
@@ -98,7 +98,7 @@ def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict) -> dict
     import kascade
     from kascade.plan import KascadePlan, ModelFingerprint
 
-    cfg = LlamaConfig(**shapes)
+    cfg = LlamaConfig(**{k: v for k, v in shapes.items() if k != "anchors"})
     plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), shapes["anchors"])
     HQ, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
