@@ -54,6 +54,10 @@ def variants():
             bn, nw, ns = td._default_config(D, kind)
             maxb = 8 if kind == "sparse" else 1
             yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn, "MAXB": maxb}, nw, ns
+        bn, nw, ns = td._default_config(D, "score")
+        yield (f"decode score fp8 D{D}", td._split_kernel,
+               {**base, "SPARSE": False, "HAS_V": False, "WRITE_SCORES": True, "DIRECT": False, "BLOCK_N": bn,
+                "FP8": True, "FP8_MMA": True}, nw, ns)
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
                 "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)

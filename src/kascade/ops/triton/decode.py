@@ -36,6 +36,7 @@ from ..selection import Selection
 from ..step import decode_meta
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
+from .fp8 import fp8_mma, fp8_operand as _fp8_operand, quantize
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist,
+    Q, K, V, Idx, Cnt, Meta, BT, Out, Acc, Mx, Ls, Sc, Hist, SQ, SK,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -54,12 +55,15 @@ def _split_kernel(
     keys_per_split,
     sc_row,  # length of one score row (WRITE_SCORES)
     qk_scale,  # scale * log2(e)
+    stride_skb, stride_skh,  # FP8: SK's batch and head strides (its slot stride is 1)
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr, MAXB: tl.constexpr,
+    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, FP8: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
 ):
-    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows)."""
+    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FP8 (the
+    scoring pass of FP8 scoring, contiguous caches): ``Q``, ``K`` e4m3, ``SQ [B, HQ]`` and ``SK [B, H, N]`` their
+    scales."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -71,6 +75,10 @@ def _split_kernel(
     hq = h * G + offs_g  # [GP]
 
     q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + offs_d[None, :], mask=gm[:, None], other=0.0)
+    qk = qk_scale
+    if FP8:
+        q = _fp8_operand(q, FP8_MMA)
+        qk = (tl.load(SQ + b * H * G + hq, mask=gm, other=1.0) * qk_scale)[:, None]
 
     if SPARSE:
         base = 0
@@ -120,7 +128,11 @@ def _split_kernel(
             row_v = b64 * stride_vb + (base + pos) * stride_vn
         # ---- scores [GP, BLOCK_N], log2 domain ----
         kt = tl.load(K + h * stride_kh + row_k[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = dot(q, tl.trans(kt), F32) * qk_scale
+        if FP8:
+            sk = tl.load(SK + b64 * stride_skb + h * stride_skh + base + pos, mask=valid, other=1.0)
+            s = dot(q, tl.trans(_fp8_operand(kt, FP8_MMA)), F32) * sk[None, :] * qk
+        else:
+            s = dot(q, tl.trans(kt), F32) * qk
         s = tl.where(valid[None, :], s, float("-inf"))
         if WRITE_SCORES:
             sp = Sc + ((b * H * G + hq).to(tl.int64) * sc_row)[:, None] + pos[None, :]
@@ -264,7 +276,7 @@ _MAX_PLANS = 4096
 
 
 def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
-    """``(S, per, BLOCK_N, launch keywords, direct)`` of one pass, memoised."""
+    """``(S, per, BLOCK_N, launch keywords, direct)`` of one pass, memoised. An e4m3 ``dtype``: FP8 scoring."""
     key = (kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg)
     plan = _PLANS.get(key)
     if plan is None:
@@ -280,6 +292,8 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
         consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=kind != "score",
                       WRITE_SCORES=kind in ("score", "dense_scores"), DIRECT=S == 1, F32=f32, NHIST=topk.NHIST,
                       RNE=rne, HAS_CNT=counts, MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, num_warps=nw)
+        if dtype == torch.float8_e4m3fn:
+            consts.update(FP8=True, FP8_MMA=fp8_mma(device, D))
         if num_stages is not None:
             consts["num_stages"] = num_stages
         merge = dict(HQ=H * G, D=D, S_PAD=next_power_of_2(S), RNE=rne)
@@ -290,8 +304,10 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg):
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
-               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
-    """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S)."""
+               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None,
+               fp8=None):
+    """Launch the split-K kernel and, if needed, the merge. Returns (out, Mx, Ls, Sc, Hist, S). ``fp8``:
+    ``(sq [B, HQ, 1], sk [B, H, N])``, the scales of e4m3 ``q`` and ``k`` (the scoring pass of FP8 scoring)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -315,14 +331,17 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
     qs = q.stride()
     os_ = out.stride() if out is not None else (0, 0)
+    assert (fp8 is not None) == (q.dtype == torch.float8_e4m3fn) and (fp8 is None or not (has_v or paged))
+    sq, sk = fp8 if fp8 is not None else (dummy, dummy)
     _split_kernel[(S, H, B)](
         q, k, v if v is not None else k, idx if sparse else dummy, counts if counts is not None else dummy,
         meta.tensor if meta is not None else dummy,
-        block_table if paged else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist,
+        block_table if paged else dummy, out if out is not None else dummy, Acc, Mx, Ls, Sc, Hist, sq, sk,
         qs[0], qs[1], *ks, *vs,
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
-        n_keys, per, sc_row, scale * LOG2E, PAGE=max(page, 1), **consts,
+        n_keys, per, sc_row, scale * LOG2E, *(sk.stride()[:2] if fp8 is not None else (0, 0)),
+        PAGE=max(page, 1), **consts,
     )
     if has_v and not direct:
         _merge_kernel[(HQ, B)](out, Acc, Mx, Ls, os_[0], os_[1], S, **merge)
@@ -378,7 +397,8 @@ def _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_f
 
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None, seq_lens=None,
-                  meta=None, method="radix", chunk=None, rank_factor=None, index_dtype=torch.long, **cfg) -> Selection:
+                  meta=None, method="radix", chunk=None, rank_factor=None, index_dtype=torch.long, k_fp8=None,
+                  **cfg) -> Selection:
     """Anchor selection of a decode step: pooled post-softmax probabilities of the G heads of each group, top
     ``budget.decode(n_b)`` keys per (sequence, KV head). ``method``: "radix" (Triton radix select, exact: ties at
     the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of the
@@ -388,12 +408,25 @@ def select_decode(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, 
     ``rank_factor`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, rank_factor)`` keys in descending pooled probability,
     not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end). With "radix"
-    the keys are selected by the radix select and then only they are sorted by probability."""
+    the keys are selected by the radix select and then only they are sorted by probability.
+
+    FP8 scoring (``budget.score_dtype == "fp8"``, :mod:`kascade.ops.fp8`; contiguous caches): the query is quantised
+    here and the keys too, unless ``k_fp8 = (k8, sk)`` holds them already (:func:`kascade.ops.triton.fp8.quantize` of
+    ``k``: a decode step that keeps its anchors' keys in e4m3 reads half the bytes; quantising the whole cache on
+    every call reads it all and costs more than it saves)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
+    fp8 = None
+    if budget.score_dtype == "fp8":
+        assert block_table is None, "FP8 scoring of a paged cache is not supported"
+        k8, sk = k_fp8 if k_fp8 is not None else quantize(k)
+        assert k8.shape == k.shape and sk.shape == k.shape[:3] and sk.stride(-1) == 1
+        q, sq = quantize(q)
+        k, fp8 = k8, (sq, sk)
     _, Mx, Ls, Sc, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale, n_keys=meta.n_max,
-                                        sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, **cfg)
+                                        sparse=False, has_v=False, write_scores=True, sc_row=meta.n_max, fp8=fp8,
+                                        **cfg)
     return _selection(Sc, Mx, Ls, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 

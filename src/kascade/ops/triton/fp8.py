@@ -14,6 +14,24 @@ import triton
 import triton.language as tl
 
 from ..fp8 import E4M3
+from .common import interpreting
+
+
+def fp8_mma(device: torch.device, D: int) -> bool:
+    """Whether the kernels' FP8 dots run on FP8 tensor cores (sm_89 and later, at least 32 along D) rather than on
+    bf16 ones (the same products: e4m3 values are bf16 values)."""
+    return (not interpreting() and device.type == "cuda" and D >= 32
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@triton.jit
+def fp8_operand(x, NATIVE: tl.constexpr):
+    """An e4m3 tile as a dot operand: as it is where the tensor cores take FP8 (:func:`fp8_mma`), else widened to
+    bf16 (exact: every e4m3 value is a bf16 value); the products are exact either way."""
+    if NATIVE:
+        return x
+    else:
+        return x.to(tl.bfloat16)
 
 
 @triton.jit

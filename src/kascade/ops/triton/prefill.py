@@ -40,7 +40,8 @@ from .. import prefill_chunks
 from ..selection import Selection
 from . import topk
 from . import fp8 as fp8_kernels
-from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
+from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
+from .fp8 import fp8_mma, fp8_operand as _fp8_operand
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,16 +78,6 @@ def _exp2_cols(x, POLY: tl.constexpr):
         return tl.where(((cols // 8) % POLY == 0)[None, :], _exp2_fma(x), tl.exp2(x))
     else:
         return tl.exp2(x)
-
-
-@triton.jit
-def _fp8_operand(x, NATIVE: tl.constexpr):
-    """An e4m3 tile as a dot operand: as it is where the tensor cores take FP8 (sm_89 and later, a dot of at least
-    32 along D), else widened to bf16 (exact: every e4m3 value is a bf16 value), products exact either way."""
-    if NATIVE:
-        return x
-    else:
-        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -604,17 +595,10 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
         L, q_offset, scale * LOG2E, k.shape[2],
         G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
-        FP8=fp8 is not None, FP8_MMA=fp8 is not None and _fp8_mma(q.device, D),
+        FP8=fp8 is not None, FP8_MMA=fp8 is not None and fp8_mma(q.device, D),
         num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
     )
     return (out if has_v else None), (lse if write_lse else None)
-
-
-def _fp8_mma(device: torch.device, D: int) -> bool:
-    """Whether the kernels' FP8 dots run on FP8 tensor cores (sm_89 and later, at least 32 along D) rather than on
-    bf16 ones (the same products: e4m3 values are bf16 values)."""
-    return (not interpreting() and device.type == "cuda" and D >= 32
-            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def quantized(q, k) -> tuple:
@@ -760,7 +744,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     M, NSUB, MR = _score_rows(G, T, scoring.block_m)
     launch = replace(_launch("score_reloaded" if NSUB > 1 else "score", D), **scoring.set_fields())
     bn = launch.block_n
-    fp8_mma = _fp8_mma(dev, D)
+    native = fp8_mma(dev, D)
     sms = num_sms(dev)
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
@@ -788,7 +772,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, C, W, per, scale * LOG2E, k.shape[2],
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, POLY=launch.fma_exp, FP8=fp8 is not None, FP8_MMA=fp8 is not None and fp8_mma,
+                ZERO_HIST=direct, POLY=launch.fma_exp, FP8=fp8 is not None, FP8_MMA=fp8 is not None and native,
                 num_warps=launch.num_warps, num_stages=launch.num_stages,
             )
             if scores_only:  # the benchmark's breakdown: the scoring kernels alone
