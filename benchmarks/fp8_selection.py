@@ -75,8 +75,8 @@ def measure_sequence(q: torch.Tensor, k: torch.Tensor, budget: Budget, scale: fl
     n = k.shape[1]
     out = {}
     count = torch.tensor([budget.decode(n)])
-    out["decode"] = compare_rows(pooled_decode(q[:, -1:], k, scale)[:, None], pooled_decode(rq[:, -1:], rk, scale)[:, None],
-                                 count)
+    out["decode"] = compare_rows(pooled_decode(q[:, -1:], k, scale)[:, None],
+                                 pooled_decode(rq[:, -1:], rk, scale)[:, None], count)
     if not prefill:
         return out
     T, parts = budget.tile, []
@@ -189,7 +189,8 @@ def main(argv=None):
     for n in a.prefill_lengths:
         rows.append(llama8b_rows(Budget(), "prefill", n, a.prefill_draws, a.seed))
         log(f"llama8b prefill {n} measured")
-    print("\n| inputs | kind | length | layers | kept keys min / mean | captured mass min / mean |\n|---|---|---|---|---|---|")
+    print("\n| inputs | kind | length | layers | kept keys min / mean | captured mass min / mean |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['inputs']} | {r['kind']} | {r['length']} | {r['layers']} | {r['kept_min']:.4f} / "
               f"{r['kept_mean']:.4f} | {r['mass_min']:.4f} / {r['mass_mean']:.4f} |")

@@ -19,8 +19,8 @@ key because the choice is the user's: the reference also runs on CUDA tensors, a
 kernels on CPU tensors. Ops take tensors and plain numbers only: a :class:`~kascade.ops.Selection` crosses the
 boundary as ``indices``, ``row_start``, ``counts`` and ``ranked``, a :class:`~kascade.budget.Budget` as ``ratio``,
 ``k_min``, ``tile``, ``rolling`` and, for the anchors' selection ops (``select``, ``select_decode``), ``score_dtype``
-(layer 0's ``dense_select`` ops score exactly and do not take it). Outputs never alias inputs; they are inference-only (no autograd formula: the
-transformers integration refuses gradients before any op runs).
+(layer 0's ``dense_select`` ops score exactly and do not take it). Outputs never alias inputs; they are
+inference-only (no autograd formula: the transformers integration refuses gradients before any op runs).
 
 The public ops (:mod:`kascade.ops`) build these arguments from a :class:`~kascade.ops.Step`. In eager mode they
 call an op's implementation directly: a call through the dispatcher costs 10-20 us of host time, the whole budget
