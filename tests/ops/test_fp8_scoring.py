@@ -158,15 +158,25 @@ def test_fp8_rounding_changes_which_key_is_selected_by_hand():
 
 
 # -- the backends ----------------------------------------------------------------------------------------------------
-def test_triton_refuses_fp8_scoring_and_auto_picks_the_reference(monkeypatch):
-    q, k = _hand_case()
-    monkeypatch.setattr(ops, "triton_unavailable_reason", lambda *a, **kw: None)
-    with pytest.raises(ValueError, match="FP8 scoring"):
-        ops.plan_step(q, k, budget=Budget(score_dtype="fp8"), backend="triton")
-    with pytest.raises(ValueError, match="FP8 scoring"):
-        ops.resolve_backend("triton", "cuda", torch.bfloat16, 64, 3, Budget(score_dtype="fp8"))
-    assert ops.resolve_backend("auto", "cuda", torch.bfloat16, 64, 3, Budget(score_dtype="fp8")) == "reference"
-    assert ops.resolve_backend("auto", "cuda", torch.bfloat16, 64, 3, Budget()) == "triton"
+def test_triton_serves_fp8_scoring_through_the_public_op(monkeypatch):
+    """auto keeps the Triton backend for a budget with FP8 scoring (it refuses only budgets by mass), and the public
+    op's Triton selection (the interpreter on the CPU) is the reference's, prefill and decode."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(ops, "triton_unavailable_reason", lambda *a, **kw: None)  # as on a GPU
+    assert ops.resolve_backend("auto", "cuda", torch.bfloat16, 64, 3, Budget(score_dtype="fp8")) == "triton"
+    assert ops.resolve_backend("auto", "cuda", torch.bfloat16, 64, 3, Budget(mass=0.9)) == "reference"
+    monkeypatch.undo()
+    from kernel_checks import dev
+
+    for L in (1, 40):  # decode, prefill
+        q, k, _ = _inputs(2, 6, 2, 70, L, 32, dtype=torch.bfloat16, seed=L)
+        kv = {"kv_start": torch.tensor([0, 9]), "q_offset": 70 - L}
+        budget = Budget(ratio=0.25, k_min=6, tile=8, score_dtype="fp8")
+        want = ops.select(q, k, budget=budget, backend="reference", **kv)
+        got = ops.select(dev(q), dev(k), budget=budget, backend="triton", **kv)
+        assert torch.equal(got.indices.cpu().long(), want.indices), f"L={L}"
+        assert not torch.equal(want.indices, ops.select(q, k, budget=Budget(ratio=0.25, k_min=6, tile=8),
+                                                        backend="reference", **kv).indices)
 
 
 def test_the_jax_ops_refuse_fp8_scoring():

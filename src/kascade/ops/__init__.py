@@ -72,9 +72,6 @@ def triton_budget_refusal(budget: Budget) -> str | None:
     alone implements. The one place that says so (:func:`resolve_backend`, :func:`plan_step`)."""
     if budget.mass is not None:
         return "backend='triton' selects by count: a budget by attention mass (budget.mass) runs on 'reference'"
-    if budget.score_dtype is not None:
-        return (f"backend='triton' scores exactly: FP8 scoring (budget.score_dtype={budget.score_dtype!r}) runs on "
-                "'reference'")
     return None
 
 
@@ -82,7 +79,7 @@ def resolve_backend(backend: str, device, dtype=None, head_dim=None, group=None,
     """The backend that serves these inputs: ``"auto"`` is "triton" on a CUDA device whose dtype, head dim and group
     the kernels serve (and with triton installed), else "reference"; ``"triton"`` where it cannot run raises
     ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. A ``budget`` the kernels
-    do not implement (:func:`triton_budget_refusal`: by attention mass, FP8 scoring) selects on the reference only.
+    do not implement (:func:`triton_budget_refusal`: by attention mass) selects on the reference only.
     The one rule every caller (``enable``, the runtime per pass, ``kascade costs``) applies."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto', *BACKENDS)}")
