@@ -192,3 +192,28 @@ def test_eager_decode_quick_runs_every_measurement(tmp_path):
     assert gen["runs"] and all(run["dense_itl_ms"] > 0 and run["kascade_itl_ms"] > 0 for run in gen["runs"])
     assert (tmp_path / "eager_decode.json").exists()
     assert "| reuse |" in (tmp_path / "summary.txt").read_text()
+
+
+def test_fp8_selection_measures_by_hand():
+    """benchmarks.fp8_selection's two measures on rows built by hand: one row whose FP8 ranking swaps the exact
+    second and third keys (count 2: kept 1/2, mass (0.4 + 0.2) / (0.4 + 0.3)), one identical row (1, 1), one row that
+    selects nothing (left out); and a sequence whose rounding changes nothing measures 1 everywhere."""
+    import torch
+
+    from benchmarks import fp8_selection as f
+    from kascade.budget import Budget
+
+    inf = float("-inf")
+    exact = torch.tensor([[[0.4, 0.3, 0.2, 0.1], [0.5, 0.2, 0.2, 0.1], [inf, inf, inf, inf]]])
+    low = torch.tensor([[[0.4, 0.2, 0.3, 0.1], [0.5, 0.3, 0.1, 0.1], [inf, inf, inf, inf]]])
+    kept, mass = f.compare_rows(exact, low, torch.tensor([2, 1, 0]))
+    assert kept.tolist() == [0.5, 1.0]
+    assert torch.allclose(mass, torch.tensor([0.6 / 0.7, 1.0], dtype=torch.float64))
+    # values e4m3 holds exactly (small integers times a power of two): FP8 scoring changes nothing
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (4, 40, 8), generator=g).float() / 8
+    k = torch.randint(-8, 8, (2, 40, 8), generator=g).float() / 4
+    rows = f.measure_sequence(q, k, Budget(ratio=0.3, k_min=4, tile=8), 0.35)
+    for kind in ("decode", "prefill"):
+        kept, mass = rows[kind]
+        assert len(kept) and (kept == 1).all() and torch.allclose(mass, torch.ones_like(mass)), kind

@@ -116,6 +116,20 @@ def test_concepts_attended_fraction():
     _shown(pct, 100 * tables.heldout_means()["kascade"]["attended"])
 
 
+def test_concepts_fp8_scoring_sentence():
+    """The bounds the FP8 scoring section states hold for every length measured, and are the tightest at the digit
+    shown (a change as large as the next step down would break them)."""
+    agree, kl = _find(r"agreement and KL change by less than ([\d.]+) and ([\d.]+), in either direction",
+                      _text(DOCS / "concepts.md"))
+    rows = tables.results("accuracy")["fp8"]["fidelity"]
+    change = {key: [abs(f[key] - e[key]) for e in rows if e["scoring"] == "exact" for f in rows
+                    if f["scoring"] == "fp8" and f["length"] == e["length"]] for key in ("agreement", "kl")}
+    assert len(change["agreement"]) == 2
+    for key, bound in (("agreement", agree), ("kl", kl)):
+        step = 10 ** -len(bound.split(".")[1])
+        assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
+
+
 def test_calibration_cost_model_error():
     (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]

@@ -372,3 +372,28 @@ def test_the_budget_multiplier_by_its_former_names_is_a_type_error_naming_the_cu
     with pytest.raises(TypeError, match=f"'{new}', not '(scale|depth)'"):
         use()
     assert not hasattr(_ranked(), "scale") and not hasattr(Reuse(), "scale")  # absent, for getattr(x, name, default)
+
+
+def test_score_dtype_is_a_budget_field_written_only_when_set(tmp_path):
+    p = KascadePlan.uniform(FP, 3)
+    assert p.score_dtype is None and "score_dtype" not in p.to_dict()
+    fp8 = p.with_budget(score_dtype="fp8")
+    assert fp8.budget == Budget(ratio=p.ratio, k_min=p.k_min, tile=p.tile, rolling=p.rolling, score_dtype="fp8")
+    d = json.loads(json.dumps(fp8.to_dict()))
+    assert d["format"] == "kascade-plan/4" and d["score_dtype"] == "fp8"
+    assert KascadePlan.from_dict(d) == fp8
+    fp8.save(tmp_path / "p.json")
+    assert KascadePlan.load(tmp_path / "p.json").budget.score_dtype == "fp8"
+    assert fp8.with_budget(score_dtype=None) == p
+    # sub-plans of a length-aware plan follow the budget change
+    aware = dataclasses.replace(p, by_length=((64, KascadePlan.uniform(FP, 2)),)).with_budget(score_dtype="fp8")
+    assert aware.by_length[0][1].score_dtype == "fp8"
+    assert KascadePlan.from_dict(json.loads(json.dumps(aware.to_dict()))) == aware
+    # an older format without the field loads exact; a bad value is refused naming the field
+    old = dict(p.to_dict(), format="kascade-plan/3")
+    assert KascadePlan.from_dict(old).score_dtype is None
+    for bad in ("bf16", 8):
+        with pytest.raises(ValueError, match="score_dtype"):
+            KascadePlan.from_dict(dict(d, score_dtype=bad))
+    with pytest.raises(ValueError, match="score_dtype"):
+        KascadePlan.uniform(FP, 3).with_budget(score_dtype="e4m3")

@@ -301,6 +301,26 @@ def mass_budgets() -> str:
     return _table(["plan", "budget", "agreement", "KL (nats)", "keys attended"], rows)
 
 
+def fp8_selection() -> str:
+    """FP8 scoring's selection against exact scoring's, per shape: the exact selection's keys it keeps and the
+    share of the exact selection's pooled probability it captures, min / mean over layers (or random draws)."""
+    names = {"model": "default model, eval windows", "llama8b-random-bf16": "Llama-3.1-8B shapes, random bf16"}
+    rows = [[names[r["inputs"]], r["kind"], _n(r["length"]), r["layers"],
+             f"{r['kept_min']:.3f} / {r['kept_mean']:.3f}", f"{r['mass_min']:.4f} / {r['mass_mean']:.4f}"]
+            for r in results("accuracy")["fp8"]["selection"]]
+    return _table(["inputs", "rows", "tokens", "layers", "keys kept: min / mean", "mass captured: min / mean"], rows)
+
+
+def fp8_fidelity() -> str:
+    """The default plan with exact and with FP8 scoring, teacher-forced against dense, per length."""
+    t = results("accuracy")["fp8"]["fidelity"]
+    lengths = sorted({r["length"] for r in t})
+    rows = [[name] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t
+                           if r["scoring"] == scoring and r["length"] == n) for n in lengths]
+            for scoring, name in (("exact", "exact (default)"), ("fp8", "FP8"))]
+    return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def tp_fidelity(model: str) -> str:
     t = results("accuracy")["tensor_parallel"][model]
@@ -375,6 +395,8 @@ BLOCKS = {
     "plans-accuracy": plans_accuracy,
     "needle": needle,
     "mass-budgets": mass_budgets,
+    "fp8-selection": fp8_selection,
+    "fp8-fidelity": fp8_fidelity,
     "tp-fidelity": tp_fidelity,
     "tp-links": tp_links,
     "tp-exchange": tp_exchange,

@@ -17,7 +17,7 @@ def test_eval_help_explains_every_option(capsys):
         build_parser().parse_args(["eval", "--help"])
     out = capsys.readouterr().out
     for opt in ("--strategies", "--tasks", "--lengths", "--samples", "--seed", "--device", "--plan", "--longbench",
-                "--out", "streamingllm", "quest", "omnikv", "fidelity", "niah_multikey"):
+                "--out", "--score-dtype", "e4m3", "streamingllm", "quest", "omnikv", "fidelity", "niah_multikey"):
         assert opt in out
 
 
@@ -376,3 +376,33 @@ def test_the_needle_tasks_run_their_default_sample_count_and_resume(tmp_path, ch
     md = capsys.readouterr().out
     assert "| needle_passkey | 300 | 100 | 1.000 [0.963, 1.000] | 0.500 [0.404, 0.596] |" in md
     assert main(argv) == 0 and len(_rows(out)) == 204 and len(answered) == 200  # resumed: nothing ran again
+
+
+def test_score_dtype_reaches_every_strategys_plan_and_defines_the_rows(tmp_path, tiny, monkeypatch, capsys):
+    from kascade.eval import runner
+
+    plans, real = {}, runner.make_strategy
+
+    def spy(name, *a, **kw):
+        made = real(name, *a, **kw)
+        if made is not None:
+            plans[name] = made[0]
+        return made
+
+    monkeypatch.setattr(runner, "make_strategy", spy)
+    data = texts_file(tmp_path / "d.jsonl", 1)
+    out = tmp_path / "ev"
+    argv = ["eval", "--strategies", "dense,kascade,oracle", "--tasks", "fidelity", "--lengths", "48", "--k-min", "8",
+            "--ratio", "0.25", "--data", str(data), "--samples", "1", "--out", str(out)]
+    assert main([*argv, "--score-dtype", "fp8"]) == 0
+    assert sorted(plans) == ["kascade", "oracle"]
+    assert all(p.score_dtype == "fp8" and p.budget.score_dtype == "fp8" for p in plans.values())
+    assert json.loads((out / "run.json").read_text())["score_dtype"] == "fp8"
+    capsys.readouterr()
+    err = _error("eval", argv[1:], capsys)  # the same folder without the flag: other settings
+    assert "score_dtype" in err or "score-dtype" in err, err
+    assert "invalid choice: 'bf16'" in _error("eval", [*argv[1:], "--score-dtype", "bf16"], capsys)
+    plans.clear()
+    assert main([*argv[:-1], str(tmp_path / "exact")]) == 0
+    assert plans and all(p.score_dtype is None for p in plans.values())
+    assert "score_dtype" not in json.loads((tmp_path / "exact" / "run.json").read_text())

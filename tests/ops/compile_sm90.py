@@ -14,6 +14,7 @@ memory). tests/ops/test_triton_compiles.py runs it, with the GPU machine's Trito
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -26,15 +27,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kascade.ops.triton import decode as td  # noqa: E402
+from kascade.ops.triton import fp8 as tf  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-BF16, I32, I64, F32 = "*bf16", "*i32", "*i64", "*fp32"
+BF16, I32, I64, F32, FP8 = "*bf16", "*i32", "*i64", "*fp32", "*fp8e4nv"
 # Pointer arguments by name (others that start with a capital letter are fp32 buffers); scalar arguments are int32
 # unless named here.
 POINTERS = {"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Idx": I32, "Cnt": I32, "Meta": I32, "BT": I32,
-            "Hist": I32, "Done": I32, "State": I32, "KvStart": I32, "RowStart": I32, "Vals": F32}
+            "Hist": I32, "Done": I32, "State": I32, "KvStart": I32, "RowStart": I32, "Vals": F32, "X": BF16, "X8": FP8}
 SCALARS = {"qk_scale": "fp32", "mass": "fp32", "S": "i32", "C": "i32", "KMAX": "i32", "L": "i32", "W": "i32"}
 # Integer arguments that the launchers' calls make multiples of 16 (Triton specialises a launch on that).
 DIVISIBLE = ("keys_per_split", "sc_row")
@@ -53,6 +55,10 @@ def variants():
             bn, nw, ns = td._default_config(D, kind)
             maxb = 8 if kind == "sparse" else 1
             yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn, "MAXB": maxb}, nw, ns
+        bn, nw, ns = td._default_config(D, "score")
+        yield (f"decode score fp8 D{D}", td._split_kernel,
+               {**base, "SPARSE": False, "HAS_V": False, "WRITE_SCORES": True, "DIRECT": False, "BLOCK_N": bn,
+                "FP8": True, "FP8_MMA": True}, nw, ns)
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
                 "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)
@@ -63,6 +69,17 @@ def variants():
             yield (f"prefill {kind} D{D}", tp._dense_kernel,
                    dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=has_v, WRITE_LSE=True, F32=False, RNE=False),
                    c.num_warps, c.num_stages)
+        c = tp._launch("lse", D)  # FP8 scoring's passes: e4m3 Q and K (their names say "fp8")
+        BQ, Mr = tp._rows(G, c.block_m)
+        yield (f"prefill lse fp8 D{D}", tp._dense_kernel,
+               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
+                    FP8=True, FP8_MMA=True), c.num_warps, c.num_stages)
+        M, NSUB, MR = tp._score_rows(G, T)
+        c = tp._launch("score", D)
+        yield (f"prefill score fp8 D{D}", tp._score_kernel,
+               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=c.block_n, F32=False, NHIST=topk.NHIST,
+                    ZERO_HIST=True, POLY=c.fma_exp, FP8=True, FP8_MMA=True), c.num_warps, c.num_stages)
+        yield (f"quantize fp8 D{D}", tf._quantize_kernel, dict(D=D, DP=D, BLOCK_R=max(1, min(64, 4096 // D))), 4, 3)
         # G = 6: two blocks, 128 + 64 rows, with the first reloaded; each D also with the fma_exp (8 or 0) that is not
         # its default (the sweep's)
         fma = tp._launch("score", D).fma_exp
@@ -102,6 +119,8 @@ def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
             sig[a] = POINTERS.get(a, F32)
         else:
             sig[a] = "i32"
+    if "fp8" in name and "quantize" not in name:
+        sig["Q"] = sig["K"] = FP8
     if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
         sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -143,6 +162,9 @@ def main():
     for name, fn, consts, nw, ns, *extra in variants():  # extra: further compile options of the launch
         if args.only and not any(o in name for o in args.only):
             continue
+        # constexprs a launch leaves at their defaults (the FP8 switches) are constexprs here too
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
+                     and p.default is not inspect.Parameter.empty}, **consts}
         sig, attrs = signature(fn, consts, name)
         row = {"kernel": name}
         try:

@@ -49,9 +49,13 @@ def test_opcheck_decode_ops(backend, rank_factor):
     meta = decode_meta(2, device=q.device, kv_start=[0, 7], q_offset=30, budget=BUDGET).tensor
     idx_dtype = torch.int32 if backend == "triton" else torch.long
     _opcheck("dense_decode", q, k, v, meta, 40, 0.25, backend)
-    _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
+    _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, None, idx_dtype, backend)
+    if backend == "reference":  # FP8 scoring: the reference's alone
+        _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, "fp8", idx_dtype,
+                 backend)
     _opcheck("dense_select_decode", q, k, v, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
-    idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
+    idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, None, idx_dtype,
+                                       backend)
     counts = None if rank_factor is None else dev(torch.tensor([3, 5], dtype=torch.int32))
     _opcheck("sparse_decode", q, k, v, idx, counts, 0.25, backend)
 
@@ -68,9 +72,11 @@ def test_opcheck_host_geometry_ops(backend):
     assert width > 0  # the tiles select keys
     args = (ks, 10, 0.25, b.ratio, b.k_min, b.tile, b.rolling)
     _opcheck("dense_attention", q, k, v, ks, 10, 0.25, backend)
-    _opcheck("select", q, k, *args, None, False, rows, width, step.index_dtype, backend)
+    _opcheck("select", q, k, *args, None, False, None, rows, width, step.index_dtype, backend)
+    if backend == "reference":  # FP8 scoring: the reference's alone
+        _opcheck("select", q, k, *args, None, False, "fp8", rows, width, step.index_dtype, backend)
     _opcheck("dense_select", q, k, v, *args, 2.0, rows, step.counts(2.0)[1], step.index_dtype, backend)
-    idx, row_start = library.OPS["select"](q, k, *args, None, False, rows, width, step.index_dtype, backend)
+    idx, row_start = library.OPS["select"](q, k, *args, None, False, None, rows, width, step.index_dtype, backend)
     _opcheck("sparse_attention", q, k, v, idx, row_start, None, False, b.tile, ks, 10, 0.25, backend)
     counts = step.counts(0.5)[0]
     _opcheck("sparse_attention", q, k, v, idx, row_start, counts, True, b.tile, ks, 10, 0.25, backend)

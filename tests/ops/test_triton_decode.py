@@ -393,3 +393,38 @@ def test_the_merge_takes_many_splits_in_blocks(page, monkeypatch):
     n_max = q_offset + 1  # sequence 0 starts at slot 0
     assert td._plan("dense", B, H, G, D, n_max, DEVICE, dt, bool(page), False, (S, None, None, None, None)).S > 2
     assert not td._DONE[DEVICE].any()
+
+
+FP8_CASES = [c for c in CASES if not c[6]]  # FP8 scoring reads contiguous caches
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[_id(c) for c in FP8_CASES])
+def test_fp8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case):
+    """FP8 scoring (kascade.ops.fp8) in the decode scoring pass: the reference's selection on the rounded vectors,
+    with the keys quantised by the launcher or handed to it already quantised (a step's e4m3 copy of the cache);
+    layer 0's one pass stays exact."""
+    from kascade.ops import fp8, reference
+    from kascade.ops.triton import fp8 as tf
+
+    B, H, G, N, D, dt, page, S = case
+    q64, k64, v64, kv_start, q_offset = _inputs(case, N * 13 + G + D)
+    q, k = q64.to(dt), k64.to(dt)
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+    by_fp8 = Budget(ratio=BUDGET.ratio, k_min=BUDGET.k_min, score_dtype="fp8")
+    qr, kr = fp8.rounded(q), fp8.rounded(k)
+    want = reference.select(qr, kr, budget=BUDGET, **pos)
+    assert not torch.equal(want.indices, reference.select(q, k, budget=BUDGET, **pos).indices), \
+        "rounding to e4m3 changes no selection here: the case cannot tell FP8 scoring from exact scoring"
+    pooled = pooled_decode_rows(qr, kr, kv_start, q_offset, pos["scale"])
+    kk = dev(poison(k, kv_start, q_offset + 1))
+    for what, kw in (("quantised here", {}), ("e4m3 keys given", {"k_fp8": tf.quantize(kk)})):
+        sel = td.select_decode(dev(q), kk, budget=by_fp8, num_splits=S, **pos, **kw)
+        check_decode_selection(sel, want, pooled, kv_start, q_offset, BUDGET, paged=False, what=f"fp8 {what}")
+    ranked = td.select_decode(dev(q), kk, budget=by_fp8, rank_factor=0.5, **pos)
+    check_decode_selection(ranked, reference.select(qr, kr, budget=BUDGET, rank_factor=0.5, **pos), pooled, kv_start,
+                           q_offset, BUDGET, paged=False, what="fp8 ranked", rank_factor=0.5)
+    _, sel0 = td.dense_select_decode(dev(q), kk, dev(poison(v64.to(dt), kv_start, q_offset + 1)), budget=by_fp8,
+                                     **pos)
+    check_decode_selection(sel0, reference.select(q, k, budget=BUDGET, **pos),
+                           pooled_decode_rows(q, k, kv_start, q_offset, pos["scale"]), kv_start, q_offset, BUDGET,
+                           paged=False, what="layer 0")

@@ -409,3 +409,62 @@ def test_exp2_on_the_fma_pipes_is_as_accurate_as_the_sfu():
     rel = ((y - want).abs() / want)[normal]
     assert rel.max() <= 2.5e-7, (float(rel.max()), float(x[normal][rel.argmax()]))
     assert (y[~normal] == 0).all()
+
+
+# FP8 scoring (kascade.ops.fp8): the kernels quantise q and k once and both passes score in e4m3; by definition the
+# selection is the reference's on the rounded vectors (fp8.rounded), up to the order of the fp32 sums.
+FP8_CASES = [case for i, case in enumerate(CASES) if i in (0, 1, 3, 4, 7)]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[_id(c) for c in FP8_CASES])
+def test_fp8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case):
+    from kascade.ops import fp8
+
+    B, H, G, N, L, D, T, dt, chunked = case
+    q64, k64, _, kv_start, q_offset = _inputs(case, N * 17 + G * 3 + D)
+    q, k = q64.to(dt), k64.to(dt)
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+    exact, by_fp8 = _budget(T), Budget(ratio=0.5, k_min=5, tile=T, score_dtype="fp8")
+    qr, kr = fp8.rounded(q), fp8.rounded(k)
+    kk = dev(poison(k, kv_start, q_offset + L))  # a NaN key's vector gets a NaN scale: it must stay unread
+    pooled = pooled_prefill_rows(qr, kr, kv_start, q_offset, pos["scale"], T)
+
+    # the LSE pass of e4m3 inputs against fp64 logsumexp of the rounded vectors' scores
+    q8, k8, sq, sk = tp.quantized(dev(q), kk)
+    check_lse(tp.prefill_lse(q8, k8, fp8=(sq, sk), block_m=32, block_n=16, **pos), qr, kr, kv_start, q_offset,
+              pos["scale"], "FP8 LSE")
+    want = reference.select(qr, kr, budget=exact, **pos)
+    assert not torch.equal(want.indices, reference.select(q, k, budget=exact, **pos).indices), \
+        "rounding to e4m3 changes no selection here: the case cannot tell FP8 scoring from exact scoring"
+    for what, kw in (("one chunk", {}), ("one-tile chunks", {"max_chunk_bytes": 1}),
+                     ("16-row scoring blocks", {"scoring": {"block_m": 16}}), ("torch.topk", {"method": "topk"})):
+        kw = {**kw, "scoring": tp.Launch(block_n=16, **kw.get("scoring", {}))}
+        sel = tp.select_prefill(dev(q), kk, budget=by_fp8, **pos, **kw)
+        check_prefill_selection(sel, want, pooled, kv_start, q_offset, L, exact, f"fp8 select/{what}")
+    ranked = tp.select_prefill(dev(q), kk, budget=by_fp8, rank_factor=0.5, **pos)
+    check_prefill_selection(ranked, reference.select(qr, kr, budget=exact, rank_factor=0.5, **pos), pooled, kv_start,
+                            q_offset, L, exact, "fp8 ranked", rank_factor=0.5)
+    # layer 0's one pass stays exact whatever the budget says
+    _, sel0 = tp.dense_select_prefill(dev(q), kk, dev(poison(k, kv_start, q_offset + L)), budget=by_fp8, **pos)
+    check_prefill_selection(sel0, reference.select(q, k, budget=exact, **pos),
+                            pooled_prefill_rows(q, k, kv_start, q_offset, pos["scale"], T), kv_start, q_offset, L,
+                            exact, "layer 0")
+
+
+def test_fp8_quantize_kernel_rounds_as_torch_does():
+    """The one-pass quantisation kernel against kascade.ops.fp8.quantize, bit for bit: every binade of e4m3 (the
+    subnormals included), ties, negative values that round to -0, a zero vector, a strided view."""
+    from kascade.ops import fp8
+    from kascade.ops.triton import fp8 as tf
+
+    g = torch.Generator().manual_seed(7)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(2, 3, 41, 64, generator=g) * torch.logspace(-3, 3, 41)[None, None, :, None]
+        x[0, 0, 0] = 0.0
+        x[0, 0, 1, :4] = torch.tensor([200.0, 9.5, 1.0625, -1e-6])  # ties to even, -0
+        x = x.to(dt)
+        for view in (x, x.transpose(1, 2)):
+            a8, sa = fp8.quantize(view)
+            b8, sb = tf.quantize(dev(view))
+            assert torch.equal(sb.cpu(), sa), dt
+            assert torch.equal(b8.cpu().view(torch.uint8), a8.view(torch.uint8)), dt

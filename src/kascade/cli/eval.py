@@ -90,6 +90,11 @@ def add(sub) -> None:
                    "decode query) keeps the fewest of its best keys holding this share of its pooled attention, in "
                    "(0, 1], at least --k-min and at most --ratio's count (default: each plan's own: by count); runs "
                    "on the reference backend")
+    e.add_argument("--score-dtype", choices=("fp8",), default=None,
+                   help="how the anchor layers score keys to rank them, for every strategy: fp8 rounds each query "
+                   "and key vector to e4m3 (8-bit floats) with a power-of-two scale of its own before the scores "
+                   "whose pooled probabilities pick the keys; layer 0 and every attention output stay exact "
+                   "(default: each plan's own: exact scores); runs on the reference backend")
     e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")

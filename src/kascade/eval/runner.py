@@ -205,6 +205,7 @@ class Settings:
     ratio: float | None = None  # budget overrides for every strategy
     k_min: int | None = None
     mass: float | None = None  # a budget by attention mass, for every strategy (ratio then caps it)
+    score_dtype: str | None = None  # the anchors' scoring ("fp8": FP8 scoring), for every strategy
     omnikv_layer: int = 2
     longbench: str | Path | None = None
     longbench_limit: int | None = None
@@ -227,6 +228,8 @@ class Settings:
         m = self.mass
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
             raise ValueError(f"--mass must be a share of attention in (0, 1], got {m!r}")
+        if self.score_dtype not in (None, "fp8"):
+            raise ValueError(f"--score-dtype must be fp8 (or unset: exact scores), got {self.score_dtype!r}")
         for flag, given, known in (("--strategies", self.strategies, STRATEGIES), ("--tasks", self.tasks, TASKS)):
             bad = [x for x in given or () if x not in known]
             if bad or given == ():
@@ -265,7 +268,8 @@ class Settings:
 
     @property
     def budget(self) -> dict | None:
-        b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min, mass=self.mass).items() if v is not None}
+        b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min, mass=self.mass,
+                                   score_dtype=self.score_dtype).items() if v is not None}
         return b or None
 
     @property
@@ -280,7 +284,9 @@ class Settings:
         d = dict(model=str(Path(self.model).expanduser().resolve()) if self.model is not None else "default",
                  dtype=str(self.dtype), seed=self.seed, samples=samples_of(FIDELITY, self.samples),
                  plan=self.plan if self.plan in SHIPPED_VARIANTS else _digest(self.plan), ratio=self.ratio, k_min=self.k_min,
-                 **({} if self.mass is None else dict(mass=self.mass)), omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
+                 **({} if self.mass is None else dict(mass=self.mass)),
+                 **({} if self.score_dtype is None else dict(score_dtype=self.score_dtype)),
+                 omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
         if self.data is not None:
             d.update(text_field=self.text_field, skip_texts=self.skip_texts)
         return d

@@ -182,6 +182,9 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     budget = Budget() if budget is None else budget
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
+    if budget.score_dtype is not None:
+        raise ValueError(f"the JAX ops score exactly: FP8 scoring (budget.score_dtype={budget.score_dtype!r}) runs on "
+                         "the torch ops (kascade.ops, backend='reference')")
     kv_start, q_offset = _geometry(q, k, None, kv_start, q_offset, backend)
     impl = _backend(backend)
     return impl.select(q, k, budget=budget, scale=_scale(scale, q), kv_start=kv_start, q_offset=q_offset)

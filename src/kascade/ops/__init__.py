@@ -26,6 +26,7 @@ Triton kernels also run on CPU tensors (slowly: for tests).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -66,19 +67,27 @@ def triton_unavailable_reason(device, dtype=None, head_dim=None, group=None) -> 
     return None
 
 
+def triton_budget_refusal(budget: Budget) -> str | None:
+    """Why the Triton kernels cannot select with this budget (None if they can): the budget options the reference
+    alone implements. The one place that says so (:func:`resolve_backend`, :func:`plan_step`)."""
+    if budget.mass is not None:
+        return "backend='triton' selects by count: a budget by attention mass (budget.mass) runs on 'reference'"
+    return None
+
+
 def resolve_backend(backend: str, device, dtype=None, head_dim=None, group=None, budget: Budget | None = None) -> str:
     """The backend that serves these inputs: ``"auto"`` is "triton" on a CUDA device whose dtype, head dim and group
     the kernels serve (and with triton installed), else "reference"; ``"triton"`` where it cannot run raises
-    ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. A ``budget`` by attention
-    mass (``budget.mass``) selects on the reference only. The one rule every caller (``enable``, the runtime per
-    pass, ``kascade costs``) applies."""
+    ValueError with the reason (never replaced silently); ``"reference"`` runs anywhere. A ``budget`` the kernels
+    do not implement (:func:`triton_budget_refusal`: by attention mass) selects on the reference only.
+    The one rule every caller (``enable``, the runtime per pass, ``kascade costs``) applies."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto', *BACKENDS)}")
     if backend == "reference":
         return backend
     why = triton_unavailable_reason(device, dtype, head_dim, group)
-    if why is None and budget is not None and budget.mass is not None:
-        why = "backend='triton' selects by count: a budget by attention mass (budget.mass) runs on 'reference'"
+    if why is None and budget is not None:
+        why = triton_budget_refusal(budget)
     if backend == "triton":
         if why:
             raise ValueError(why)
@@ -129,9 +138,9 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError("backend='triton' needs the head dim contiguous (stride 1) in q, k and v")
         index_dtype = torch.int32
-        if budget.mass is not None:
-            raise ValueError("backend='triton' selects by count: a budget by attention mass (budget.mass) runs on "
-                             "backend='reference'")
+        why = triton_budget_refusal(budget)
+        if why:
+            raise ValueError(why)
     shape = dict(backend=backend, budget=budget, batch=B, q_heads=HQ, kv_heads=H, queries=L, keys=N, head_dim=D,
                  dtype=q.dtype, device=q.device, index_dtype=index_dtype)
     if isinstance(q_offset, torch.Tensor):
@@ -229,7 +238,10 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
 
     ``rank_factor`` (a multiplier of each row's budget): a *ranked* selection for plans whose layers keep different
     numbers of keys: per row the ``at_factor(c, rank_factor, candidates)`` best keys (``c`` the row's budget) in
-    descending pooled probability (ties: the earlier key first), -1 padded at the end."""
+    descending pooled probability (ties: the earlier key first), -1 padded at the end.
+
+    ``budget.score_dtype="fp8"``: the probabilities are those of FP8 scores (:mod:`kascade.ops.fp8`: each query and
+    key vector rounded to e4m3 with a power-of-two scale), on the reference backend."""
     step = _step(step, q, k, None, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
     rank_factor = _rank_factor(rank_factor)
@@ -240,13 +252,13 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
         return _select_by_mass(q, k, step, scale, shared, rank_factor)
     if step.meta is not None and not shared:
         idx = library.call("select_decode", q, k, step.meta.tensor, step.meta.n_max, scale, b.ratio, b.k_min,
-                           rank_factor, step.index_dtype, step.backend)
+                           rank_factor, b.score_dtype, step.index_dtype, step.backend)
         return Selection(idx, step.zeros(), b.tile, True, rank_factor is not None)
     if step.on_device:  # the shared baseline of a step planned on the device: its geometry read back once
         step = step.on_host()
     idx, row_start = library.call("select", q, k, step.kv_start, step.q_offset, scale, b.ratio, b.k_min, b.tile,
-                                  b.rolling, rank_factor, shared, step.rows, step.counts(rank_factor or 1.0)[1],
-                                  step.index_dtype, step.backend)
+                                  b.rolling, rank_factor, shared, b.score_dtype, step.rows,
+                                  step.counts(rank_factor or 1.0)[1], step.index_dtype, step.backend)
     return Selection(idx, row_start, b.tile, step.decode, rank_factor is not None)
 
 
@@ -254,13 +266,16 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
 def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=None, q_offset=None, backend=None,
                  step: Step | None = None, rank_factor: float | None = None) -> tuple[torch.Tensor, Selection]:
     """Layer 0: :func:`dense_attention` and :func:`select` of the same inputs, from one pass where the backend
-    has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``."""
+    has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``. Its scores
+    are exact whatever ``budget.score_dtype`` says: FP8 scoring is the anchors' (:func:`select`) only."""
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
     rank_factor = _rank_factor(rank_factor)
     b = step.budget
     if b.mass is not None:
-        return dense_attention(q, k, v, scale=scale, step=step), _select_by_mass(q, k, step, scale, False, rank_factor)
+        exact = dataclasses.replace(b, score_dtype=None)
+        return (dense_attention(q, k, v, scale=scale, step=step),
+                _select_by_mass(q, k, step, scale, False, rank_factor, exact))
     if step.meta is not None:
         out, idx = library.call("dense_select_decode", q, k, v, step.meta.tensor, step.meta.n_max, scale, b.ratio,
                                 b.k_min, rank_factor, step.index_dtype, step.backend)
@@ -271,15 +286,16 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
     return out, Selection(idx, row_start, b.tile, step.decode, rank_factor is not None)
 
 
-def _select_by_mass(q, k, step: Step, scale: float, shared: bool, rank_factor) -> Selection:
-    """:func:`select` with a budget by attention mass: the reference's, eagerly (its counts depend on the scores, so
-    its shapes do too: no compiled graph can hold it), the geometry read back to the host once in a step planned on
-    the device."""
+def _select_by_mass(q, k, step: Step, scale: float, shared: bool, rank_factor,
+                    budget: Budget | None = None) -> Selection:
+    """:func:`select` with a budget by attention mass (``budget``, default the step's): the reference's, eagerly (its
+    counts depend on the scores, so its shapes do too: no compiled graph can hold it), the geometry read back to the
+    host once in a step planned on the device."""
     if torch.compiler.is_compiling():
         raise RuntimeError("a budget by attention mass (budget.mass) selects eagerly: its shapes depend on the "
                            "scores; run it without torch.compile")
     step = step.on_host()
-    sel = reference.select_by_mass(q, k, budget=step.budget, scale=scale, kv_start=step.kv_start,
+    sel = reference.select_by_mass(q, k, budget=budget or step.budget, scale=scale, kv_start=step.kv_start,
                                    q_offset=step.q_offset, shared=shared, factor=rank_factor)
     return Selection(sel.indices.to(step.index_dtype), sel.row_start, sel.tile, sel.decode, sel.ranked,
                      kept=sel.kept)

@@ -18,8 +18,9 @@ launchers of :mod:`kascade.ops.triton`, looked up at call time). The backend is 
 key because the choice is the user's: the reference also runs on CUDA tensors, and the Triton interpreter runs the
 kernels on CPU tensors. Ops take tensors and plain numbers only: a :class:`~kascade.ops.Selection` crosses the
 boundary as ``indices``, ``row_start``, ``counts`` and ``ranked``, a :class:`~kascade.budget.Budget` as ``ratio``,
-``k_min``, ``tile``, ``rolling``. Outputs never alias inputs; they are inference-only (no autograd formula: the
-transformers integration refuses gradients before any op runs).
+``k_min``, ``tile``, ``rolling`` and, for the anchors' selection ops (``select``, ``select_decode``), ``score_dtype``
+(layer 0's ``dense_select`` ops score exactly and do not take it). Outputs never alias inputs; they are
+inference-only (no autograd formula: the transformers integration refuses gradients before any op runs).
 
 The public ops (:mod:`kascade.ops`) build these arguments from a :class:`~kascade.ops.Step`. In eager mode they
 call an op's implementation directly: a call through the dispatcher costs 10-20 us of host time, the whole budget
@@ -44,8 +45,9 @@ NAMESPACE = "kascade"
 
 
 @functools.lru_cache(maxsize=256)
-def _budget(ratio: float, k_min: int, tile: int = 32, rolling: bool = True) -> Budget:
-    return Budget(ratio=ratio, k_min=k_min, tile=tile, rolling=rolling)
+def _budget(ratio: float, k_min: int, tile: int = 32, rolling: bool = True,
+            score_dtype: Optional[str] = None) -> Budget:
+    return Budget(ratio=ratio, k_min=k_min, tile=tile, rolling=rolling, score_dtype=score_dtype)
 
 
 _KERNELS: list = []
@@ -102,8 +104,9 @@ def _dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch
 
 
 def _select_decode(q: torch.Tensor, k: torch.Tensor, meta: torch.Tensor, keys: int, scale: float, ratio: float,
-                   k_min: int, rank_factor: Optional[float], index_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    b = _budget(ratio, k_min)
+                   k_min: int, rank_factor: Optional[float], score_dtype: Optional[str], index_dtype: torch.dtype,
+                   backend: str) -> torch.Tensor:
+    b = _budget(ratio, k_min, score_dtype=score_dtype)
     if backend == "triton":
         return _triton(True).select_decode_indices(q, k, budget=b, scale=scale, meta=_meta(meta, keys, b),
                                                    rank_factor=rank_factor, index_dtype=index_dtype)
@@ -145,9 +148,10 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start
 
 
 def _select(q: torch.Tensor, k: torch.Tensor, kv_start: torch.Tensor, q_offset: int, scale: float, ratio: float,
-            k_min: int, tile: int, rolling: bool, rank_factor: Optional[float], shared: bool, rows: int, width: int,
-            index_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _budget(ratio, k_min, tile, rolling)
+            k_min: int, tile: int, rolling: bool, rank_factor: Optional[float], shared: bool,
+            score_dtype: Optional[str], rows: int, width: int, index_dtype: torch.dtype,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    b = _budget(ratio, k_min, tile, rolling, score_dtype)
     if backend == "triton":
         sel = _triton(False).select_prefill(q, k, scale=scale, budget=b, kv_start=kv_start, q_offset=q_offset,
                                             index_dtype=index_dtype, rank_factor=rank_factor)
@@ -167,8 +171,8 @@ def _dense_select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: t
                                                        rank_factor=rank_factor)
         return out, _fit(sel.indices, rows, width), sel.row_start
     out = _dense_attention(q, k, v, kv_start, q_offset, scale, backend)
-    return (out, *_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, False, rows, width,
-                          index_dtype, backend))
+    return (out, *_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, False, None,
+                          rows, width, index_dtype, backend))
 
 
 def _fit(indices: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -188,8 +192,8 @@ def _sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices
     return reference.sparse_attention(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
-def _fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, shared, rows, width,
-                 index_dtype, backend):
+def _fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, shared, score_dtype, rows,
+                 width, index_dtype, backend):
     return (q.new_empty((q.shape[0], k.shape[1], rows, width), dtype=index_dtype),
             q.new_empty((q.shape[0],), dtype=torch.long))
 
@@ -206,7 +210,10 @@ def _register(name, impl, fake):
 OPS = {
     "dense_decode": _register("dense_decode", _dense_decode,
                               lambda q, k, v, meta, keys, scale, backend: _out_like(q, backend)),
-    "select_decode": _register("select_decode", _select_decode, _fake_select_decode),
+    "select_decode": _register(
+        "select_decode", _select_decode,
+        lambda q, k, meta, keys, scale, ratio, k_min, rank_factor, score_dtype, index_dtype, backend:
+        _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend)),
     "dense_select_decode": _register(
         "dense_select_decode", _dense_select_decode,
         lambda q, k, v, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend: (
@@ -221,7 +228,7 @@ OPS = {
         "dense_select", _dense_select,
         lambda q, k, v, kv_start, q_offset, scale, ratio, k_min, tile, rolling, rank_factor, rows, width, index_dtype,
         backend: (_out_like(q, backend), *_fake_select(q, k, kv_start, q_offset, scale, ratio, k_min, tile, rolling,
-                                                       rank_factor, False, rows, width, index_dtype, backend))),
+                                                       rank_factor, False, None, rows, width, index_dtype, backend))),
     "sparse_attention": _register(
         "sparse_attention", _sparse_attention,
         lambda q, k, v, indices, row_start, counts, ranked, tile, kv_start, q_offset, scale, backend: _out_like(

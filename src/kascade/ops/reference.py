@@ -19,6 +19,7 @@ import torch
 
 from .. import _renamed
 from ..budget import Budget, at_factor, mass_counts
+from . import fp8
 from .selection import Selection, sort_padded, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
@@ -27,6 +28,15 @@ _CHUNK_ELEMS = 1 << 26
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scored(q: torch.Tensor, k: torch.Tensor, budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and key vectors an anchor's scores are computed from: ``q``, ``k`` themselves, or with
+    ``budget.score_dtype == "fp8"`` each head vector (one head, one position) rounded as FP8 scoring sees it
+    (:func:`kascade.ops.fp8.rounded`, in the math dtype). Only the selection ops call this: outputs stay exact."""
+    if budget.score_dtype == "fp8":
+        return fp8.rounded(q), fp8.rounded(k)
+    return q, k
 
 
 def _valid_span(kv_start: torch.Tensor, q_offset: int, L: int, b: int) -> tuple[int, int, int]:
@@ -172,7 +182,9 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
            shared: bool = False, rank_factor: float | None = None) -> Selection:
-    """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``rank_factor`` a ranked selection."""
+    """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``rank_factor`` a ranked selection. The
+    scores are those of :func:`_scored` (FP8-rounded vectors when ``budget.score_dtype == "fp8"``)."""
+    q, k = _scored(q, k, budget)
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)
     decode = L == 1
@@ -223,8 +235,9 @@ def select_by_mass(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor
     probability holding ``budget.mass`` of the row's pooled probability (a prefill row counts its own tile's mass,
     which it attends anyway), at least the row's count at ratio 0 and at most its count
     (:func:`kascade.budget.mass_counts`). Pooling, candidates and layout as in :func:`select`; the counts are in
-    the selection's ``kept``."""
+    the selection's ``kept``. The scores are those of :func:`_scored`, as in :func:`select`."""
     assert budget.mass is not None
+    q, k = _scored(q, k, budget)
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)
     decode = L == 1
@@ -408,14 +421,16 @@ def dense_decode(q, k, v, *, scale: float, meta: torch.Tensor) -> torch.Tensor:
 def select_decode(q, k, *, scale: float, meta: torch.Tensor, budget: Budget, width: int,
                   rank_factor=None) -> torch.Tensor:
     """:func:`select` of a decode step whose geometry is ``meta``: indices ``[B, H, 1, width]`` (``width``: a host
-    bound of every sequence's count); the count is ``meta``'s budget, or at ``rank_factor`` a ranked selection."""
-    p, valid = _decode_scores(q, k, meta, scale)
+    bound of every sequence's count); the count is ``meta``'s budget, or at ``rank_factor`` a ranked selection. The
+    scores are those of :func:`_scored`, as in :func:`select`."""
+    p, valid = _decode_scores(*_scored(q, k, budget), meta, scale)
     return _decode_top(p, valid, meta, budget, width, rank_factor)
 
 
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Budget, width: int, rank_factor=None):
-    """:func:`dense_decode` and :func:`select_decode` from one softmax. ``-> (out, indices)``."""
+    """:func:`dense_decode` and :func:`select_decode` from one softmax. ``-> (out, indices)``. Layer 0's pass:
+    exact scores whatever ``budget.score_dtype`` says (FP8 scoring is the anchors' only)."""
     p, valid = _decode_scores(q, k, meta, scale)
     return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, rank_factor)
 

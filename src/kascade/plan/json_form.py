@@ -22,8 +22,8 @@ FORMATS = ("kascade-plan/1", "kascade-plan/2", "kascade-plan/3", FORMAT)
 _V2_REUSE = {"sources": "sources", "layer_scale": "factor", "sinks": "sinks", "recent": "recent"}
 _V3_REUSE = {"scale": "factor", "sources": "sources", "sinks": "sinks", "recent": "recent"}
 _V4_REUSE = ("factor", "sources", "sinks", "recent")
-_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "mass", "calibrated",
-                "source"}
+_BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "mass", "score_dtype",
+                "calibrated", "source"}
 
 
 class _Field:
@@ -100,7 +100,8 @@ def _parse(d, where: str) -> dict:
                 for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
     kw = {}
     for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
-                       ("mass", F.number), ("calibrated", F.bool), ("source", F.str), ("tensor_parallel", F.int)):
+                       ("mass", F.number), ("score_dtype", F.str), ("calibrated", F.bool), ("source", F.str),
+                       ("tensor_parallel", F.int)):
         if name in d:
             kw[name] = read(f"{where}.{name}", d[name])
     # the reuse fields under their /4 names, with the name the file used (for errors)
@@ -142,8 +143,8 @@ def _parse(d, where: str) -> dict:
 
 
 def to_dict(plan) -> dict:
-    """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/4`` (``reuse``, ``by_length`` and
-    ``tensor_parallel`` only when set)."""
+    """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/4`` (``reuse``, ``by_length``,
+    ``tensor_parallel``, ``mass`` and ``score_dtype`` only when set)."""
     d = {"format": FORMAT, "fingerprint": dataclasses.asdict(plan.fingerprint), "anchors": list(plan.anchors),
          "head_map": [list(r) for r in plan.head_map], "ratio": plan.ratio, "k_min": plan.k_min,
          "tile": plan.tile, "rolling": plan.rolling, "calibrated": plan.calibrated, "source": plan.source}
@@ -155,6 +156,8 @@ def to_dict(plan) -> dict:
         d["tensor_parallel"] = plan.tensor_parallel
     if plan.mass is not None:
         d["mass"] = plan.mass
+    if plan.score_dtype is not None:
+        d["score_dtype"] = plan.score_dtype
     return d
 
 

@@ -43,6 +43,7 @@ from ..selection import Selection
 from ..step import decode_meta
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
+from .fp8 import fp8_mma, fp8_operand as _fp8_operand, quantize
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Cnt, Meta, BT, Out, Ws, Done, Sc, Hist,
+    Q, K, V, Idx, Cnt, Meta, BT, Out, Ws, Done, Sc, Hist, SQ, SK,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -61,12 +62,16 @@ def _split_kernel(
     keys_per_split,
     sc_row,  # length of one score row (WRITE_SCORES)
     qk_scale,  # scale * log2(e)
+    stride_skb, stride_skh,  # FP8: SK's batch and head strides (its slot stride is 1)
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
-    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, SB: tl.constexpr,
+    HAS_CNT: tl.constexpr, MAXB: tl.constexpr, SB: tl.constexpr, FP8: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = False,
 ):
-    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows).
+    """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FP8 (the
+    scoring pass of FP8 scoring, contiguous caches): ``Q``, ``K`` e4m3, ``SQ [B, HQ]`` and ``SK [B, H, N]`` their
+    scales.
 
     ``Ws``: the pass's fp32 scratch, ``[Mx [B, HQ, S]] [Ls [B, HQ, S]] [Acc [B, HQ, S, D] (with V and S > 1)]``, Acc
     at the first multiple of 64 elements.
@@ -86,6 +91,10 @@ def _split_kernel(
     hq = h * G + offs_g  # [GP]
 
     q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + offs_d[None, :], mask=gm[:, None], other=0.0)
+    qk = qk_scale
+    if FP8:
+        q = _fp8_operand(q, FP8_MMA)
+        qk = (tl.load(SQ + b * H * G + hq, mask=gm, other=1.0) * qk_scale)[:, None]
 
     if SPARSE:
         base = 0
@@ -135,7 +144,11 @@ def _split_kernel(
             row_v = b64 * stride_vb + (base + pos) * stride_vn
         # ---- scores [GP, BLOCK_N], log2 domain ----
         kt = tl.load(K + h * stride_kh + row_k[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = dot(q, tl.trans(kt), F32) * qk_scale
+        if FP8:
+            sk = tl.load(SK + b64 * stride_skb + h * stride_skh + base + pos, mask=valid, other=1.0)
+            s = dot(q, tl.trans(_fp8_operand(kt, FP8_MMA)), F32) * sk[None, :] * qk
+        else:
+            s = dot(q, tl.trans(kt), F32) * qk
         s = tl.where(valid[None, :], s, float("-inf"))
         if WRITE_SCORES:
             sp = Sc + ((b * H * G + hq).to(tl.int64) * sc_row)[:, None] + pos[None, :]
@@ -323,7 +336,7 @@ def _align(n: int) -> int:
 
 
 def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
-    """The launch of one pass, memoised."""
+    """The launch of one pass, memoised. An e4m3 ``dtype``: FP8 scoring."""
     key = (kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg)
     plan = _PLANS.get(key)
     if plan is None:
@@ -339,6 +352,8 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
         consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=has_v,
                       WRITE_SCORES=scores, DIRECT=S == 1, F32=f32, NHIST=topk.NHIST, RNE=rne, HAS_CNT=counts,
                       MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, SB=_merge_block(S, D), num_warps=nw)
+        if dtype == torch.float8_e4m3fn:
+            consts.update(FP8=True, FP8_MMA=fp8_mma(device, D))
         if num_stages is not None:
             consts["num_stages"] = num_stages
         n_st = B * H * G * S
@@ -384,11 +399,13 @@ def _counters(device, n: int) -> torch.Tensor:
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
-               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None):
+               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None,
+               fp8=None):
     """Launch the split-K kernel (one launch: the partials of several splits are merged by the row's last program).
     Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
     selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
-    rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32."""
+    rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32. ``fp8``: ``(sq [B, HQ, 1],
+    sk [B, H, N])``, the scales of e4m3 ``q`` and ``k`` (the scoring pass of FP8 scoring)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -413,14 +430,17 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     done = _done(dev, B * H) if has_v and p.S > 1 else ws
     qs = q.stride()
     os_ = out.stride() if out is not None else (0, 0)
+    assert (fp8 is not None) == (q.dtype == torch.float8_e4m3fn) and (fp8 is None or not (has_v or paged))
+    sq, sk = fp8 if fp8 is not None else (ws, ws)
     _split_kernel[(p.S, H, B)](
         q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
         meta.tensor if meta is not None else ws, block_table if paged else ws, out if out is not None else ws, ws,
-        done, Sc, Hist,
+        done, Sc, Hist, sq, sk,
         qs[0], qs[1], *ks, *vs,
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
-        n_keys, p.per, sc_row, scale * LOG2E, PAGE=max(page, 1), **p.consts,
+        n_keys, p.per, sc_row, scale * LOG2E, *(sk.stride()[:2] if fp8 is not None else (0, 0)),
+        PAGE=max(page, 1), **p.consts,
     )
     if not write_scores:
         return out, None, None, None, None, p.S
@@ -487,7 +507,7 @@ def select_decode(q, k, *, budget: Budget, scale, rank_factor=None, **kw) -> Sel
 
 def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
                           seq_lens=None, meta=None, method="radix", chunk=None, rank_factor=None,
-                          index_dtype=torch.long, **cfg) -> torch.Tensor:
+                          index_dtype=torch.long, k_fp8=None, **cfg) -> torch.Tensor:
     """The indices ``[B, H, 1, KMAX]`` of :func:`select_decode`'s selection (no ``row_start``: a launch of its own
     that :mod:`kascade.ops`, which has the step's, does not need). ``method``: "radix" (Triton radix select, exact:
     ties at the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of
@@ -497,13 +517,25 @@ def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offse
     ``rank_factor`` (a float): a *ranked* selection instead, for plans whose layers keep different numbers of keys
     (:mod:`kascade.reuse`): the top ``Budget.decode_counts(n_b, rank_factor)`` keys in descending pooled probability,
     not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end). With "radix"
-    the keys are selected by the radix select and then only they are sorted by probability."""
+    the keys are selected by the radix select and then only they are sorted by probability.
+
+    FP8 scoring (``budget.score_dtype == "fp8"``, :mod:`kascade.ops.fp8`; contiguous caches): the query is quantised
+    here and the keys too, unless ``k_fp8 = (k8, sk)`` holds them already (:func:`kascade.ops.triton.fp8.quantize` of
+    ``k``: a decode step that keeps its anchors' keys in e4m3 reads half the bytes; quantising the whole cache on
+    every call reads it all and costs more than it saves)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
+    fp8 = None
+    if budget.score_dtype == "fp8":
+        assert block_table is None, "FP8 scoring of a paged cache is not supported"
+        k8, sk = k_fp8 if k_fp8 is not None else quantize(k)
+        assert k8.shape == k.shape and sk.shape == k.shape[:3] and sk.stride(-1) == 1
+        q, sq = quantize(q)
+        k, fp8 = k8, (sq, sk)
     _, Stats, Sc, Pooled, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale,
                                                n_keys=meta.n_max, sparse=False, has_v=False, write_scores=True,
-                                               sc_row=meta.n_max, **cfg)
+                                               sc_row=meta.n_max, fp8=fp8, **cfg)
     return _indices(Sc, Stats, Pooled, Hist, S, meta, B, H, G, budget, method, chunk, rank_factor, index_dtype)
 
 

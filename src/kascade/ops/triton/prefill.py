@@ -39,7 +39,9 @@ from ...budget import Budget
 from .. import prefill_chunks
 from ..selection import Selection
 from . import topk
+from . import fp8 as fp8_kernels
 from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
+from .fp8 import fp8_mma, fp8_operand as _fp8_operand
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -80,17 +82,24 @@ def _exp2_cols(x, POLY: tl.constexpr):
 
 @triton.jit
 def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F32: tl.constexpr,
-                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False):
+                 RNE: tl.constexpr, GUARD: tl.constexpr, ALL_VALID: tl.constexpr = False, sk=None,
+                 FP8: tl.constexpr = False):
     """One block of keys of the online softmax. ``q [M, D]``, ``kt, vt [BN, D]``. GUARD: some row may have seen no
     key yet (all -inf), so keep exp2 finite. ``ok``: a boolean ``[M, BN]`` (or broadcastable) mask, ignored with
     ALL_VALID (every key valid): the scale then goes into the exponential's fused multiply-add and the row maximum
     is taken before it (exact: scaling by a positive number keeps the order), a multiply, compare and select per
-    score fewer."""
+    score fewer. FP8 (FP8 scoring, :mod:`kascade.ops.fp8`): ``q``, ``kt`` are e4m3, ``sk [BN]`` the keys' scales and
+    ``qk_scale [M]`` each row's (its query's scale times the softmax scale, log2 domain)."""
     s = dot(q, tl.trans(kt), F32)  # [M, BN]
+    if FP8:
+        s = s * sk[None, :]
+        qk = qk_scale[:, None]
+    else:
+        qk = qk_scale
     if ALL_VALID:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
     else:
-        s = tl.where(ok, s * qk_scale, float("-inf"))
+        s = tl.where(ok, s * qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -98,7 +107,7 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     if ALL_VALID:
-        p = tl.exp2(s * qk_scale - m_use[:, None])
+        p = tl.exp2(s * qk - m_use[:, None])
     else:
         p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -110,16 +119,18 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
 
 @triton.jit
 def _dense_kernel(
-    Q, K, V, Out, Lse, KvStart,
+    Q, K, V, Out, Lse, KvStart, SQ, SK,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_ol,
-    L, q_offset, qk_scale,
+    L, q_offset, qk_scale, n_keys,
     G: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_V: tl.constexpr, WRITE_LSE: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr,
+    FP8: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
 ):
-    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major)."""
+    """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major). FP8 (the LSE pass of
+    FP8 scoring, no values): ``Q``, ``K`` e4m3, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their scales."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # longest blocks first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -136,6 +147,12 @@ def _dense_kernel(
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [M, D]
+    qk = qk_scale
+    sk_base = SK
+    if FP8:
+        q = _fp8_operand(q, FP8_MMA)
+        qk = tl.load(SQ + (b64 * tl.num_programs(1) * G + hq) * L + i, mask=row_ok, other=1.0) * qk_scale
+        sk_base = SK + (b64 * tl.num_programs(1) + h) * n_keys
 
     hi = tl.minimum(q_offset + qb * BQ + BQ, q_offset + L)  # one past the block's last query slot
     first = tl.maximum(q_offset + qb * BQ, start)  # the block's first real query slot
@@ -150,6 +167,7 @@ def _dense_kernel(
     # ---- keys before the block: no mask ----
     k_ptr = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     v_ptr = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
+    sk_ptr = sk_base + start + offs_n
     for jb in range(0, n_full):  # (pointers advanced, not recomputed: a fifth of the QK-only loop's instructions)
         kt = tl.load(k_ptr)
         if HAS_V:
@@ -157,7 +175,12 @@ def _dense_kernel(
             v_ptr += BLOCK_N * stride_vn
         else:
             vt = kt
-        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, False, True)
+        sk = None
+        if FP8:
+            kt = _fp8_operand(kt, FP8_MMA)
+            sk = tl.load(sk_ptr)
+            sk_ptr += BLOCK_N
+        m_i, l_i, acc = _online_step(q, kt, vt, None, m_i, l_i, acc, qk, HAS_V, F32, RNE, False, True, sk, FP8)
         k_ptr += BLOCK_N * stride_kn
     # ---- diagonal blocks: causal mask ----
     for j0 in range(start + n_full * BLOCK_N, hi, BLOCK_N):
@@ -169,8 +192,12 @@ def _dense_kernel(
             vt = tl.load(v_base + kp64[:, None] * stride_vn + offs_d[None, :], mask=km[:, None], other=0.0)
         else:
             vt = kt
+        sk = None
+        if FP8:
+            kt = _fp8_operand(kt, FP8_MMA)
+            sk = tl.load(sk_base + kpos, mask=km, other=1.0)
         ok = (kpos[None, :] <= slot[:, None]) & km[None, :]
-        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V, F32, RNE, True, False)
+        m_i, l_i, acc = _online_step(q, kt, vt, ok, m_i, l_i, acc, qk, HAS_V, F32, RNE, True, False, sk, FP8)
 
     has = l_i > 0
     if HAS_V:
@@ -185,10 +212,11 @@ def _dense_kernel(
 
 
 @triton.jit
-def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ: tl.constexpr,
-            G: tl.constexpr, T: tl.constexpr):
+def _tile_q(Q, Lse, SQ, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, qk_scale,
+            HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, FP8: tl.constexpr, FP8_MMA: tl.constexpr):
     """Rows ``f`` (of the tile's G*T, query-major) of tile ``t``: their queries ``[len(f), D]`` (zeros beyond the
-    tile or the call) and log2-domain LSE (+inf there, so that they pool nothing)."""
+    tile or the call), log2-domain LSE (+inf there, so that they pool nothing) and score scale: ``qk_scale``, or
+    with FP8 each row's query scale times it (``[len(f)]``)."""
     qi = f // G
     i = start + t * T + qi - q_offset
     row_ok = (f < G * T) & (i >= 0) & (i < L)
@@ -196,54 +224,63 @@ def _tile_q(Q, Lse, b64, h, start, t, f, offs_d, stride_qb, stride_qh, stride_ql
     q = tl.load(Q + b64 * stride_qb + hq[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_ql + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(Lse + (b64 * HQ + hq) * L + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    return q, lse2
+    if FP8:
+        qs = tl.load(SQ + (b64 * HQ + hq) * L + i, mask=row_ok, other=1.0) * qk_scale
+        return _fp8_operand(q, FP8_MMA), lse2, qs
+    else:
+        return q, lse2, qk_scale
 
 
 @triton.jit
-def _pool(kt, q, lse2, qk_scale, F32: tl.constexpr, POLY: tl.constexpr):
+def _pool(kt, q, lse2, qk_scale, sk, F32: tl.constexpr, POLY: tl.constexpr, FP8: tl.constexpr):
     """Pooled probabilities of keys ``kt [BN, D]`` over rows ``q`` with log2 LSE ``lse2``: ``[BN]``. Scores
     transposed, [BN keys, rows], so that pooling over rows is the cheap in-thread / in-warp reduction of the MMA
     layout rather than one across warps. POLY: every POLY-th group of 8 rows takes its exponentials on the FMA
-    pipes (:func:`_exp2_cols`)."""
-    s = dot(kt, tl.trans(q), F32) * qk_scale
+    pipes (:func:`_exp2_cols`). FP8: e4m3 ``kt`` and ``q``, the keys' scales ``sk [BN]`` and the rows' score scales
+    ``qk_scale [rows]``."""
+    if FP8:
+        s = dot(kt, tl.trans(q), F32) * sk[:, None] * qk_scale[None, :]
+    else:
+        s = dot(kt, tl.trans(q), F32) * qk_scale
     return tl.sum(_exp2_cols(s - lse2[None, :], POLY), 1)
 
 
 @triton.jit
-def _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L,
-               q_offset, qk_scale, HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, M: tl.constexpr,
-               NSUB: tl.constexpr, MR: tl.constexpr, F32: tl.constexpr, POLY: tl.constexpr):
-    """Pooled probabilities of keys ``kt [BN, D]`` over all the tile's rows: the held block ``q`` (NSUB = 1) or
-    NSUB blocks reloaded, plus the remainder block ``q_r`` (MR > 0)."""
+def _pool_rows(kt, sk, q, lse2, qs, q_r, lse2_r, qs_r, Q, Lse, SQ, b64, h, start, t, f0, offs_d, stride_qb,
+               stride_qh, stride_ql, L, q_offset, qk_scale, HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
+               M: tl.constexpr, NSUB: tl.constexpr, MR: tl.constexpr, F32: tl.constexpr, POLY: tl.constexpr,
+               FP8: tl.constexpr, FP8_MMA: tl.constexpr):
+    """Pooled probabilities of keys ``kt [BN, D]`` (FP8: scales ``sk``) over all the tile's rows: the held block
+    ``q`` (NSUB = 1) or NSUB blocks reloaded, plus the remainder block ``q_r`` (MR > 0)."""
     if NSUB == 1:
-        pooled = _pool(kt, q, lse2, qk_scale, F32, POLY)
+        pooled = _pool(kt, q, lse2, qs, sk, F32, POLY, FP8)
     else:  # several blocks of M rows: reloaded for every key block (pipelining would hold each in every stage)
         pooled = tl.zeros([kt.shape[0]], tl.float32)
         for sb in tl.static_range(NSUB):
-            qs, ls = _tile_q(Q, Lse, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh, stride_ql, L,
-                             q_offset, HQ, G, T)
-            pooled += _pool(kt, qs, ls, qk_scale, F32, POLY)
+            qb, ls, qsb = _tile_q(Q, Lse, SQ, b64, h, start, t, sb * M + f0, offs_d, stride_qb, stride_qh,
+                                  stride_ql, L, q_offset, qk_scale, HQ, G, T, FP8, FP8_MMA)
+            pooled += _pool(kt, qb, ls, qsb, sk, F32, POLY, FP8)
     if MR > 0:
-        pooled += _pool(kt, q_r, lse2_r, qk_scale, F32, POLY)
+        pooled += _pool(kt, q_r, lse2_r, qs_r, sk, F32, POLY, FP8)
     return pooled
 
 
 @triton.jit
 def _score_kernel(
-    Q, K, Lse, KvStart, RowStart, Buf, Hist,
+    Q, K, Lse, KvStart, RowStart, Buf, Hist, SQ, SK,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kn,
     stride_bb, stride_bh, stride_bc,
-    L, q_offset, r0, C, W, keys_per_split, qk_scale,
+    L, q_offset, r0, C, W, keys_per_split, qk_scale, n_keys,
     HQ: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSUB: tl.constexpr,
     MR: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, ZERO_HIST: tl.constexpr,
-    POLY: tl.constexpr,
+    POLY: tl.constexpr, FP8: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
 ):
     """One program = (key split, tile c of the chunk's C, KV head, sequence). Writes ``Buf[b, h, c, j]`` = pooled
     probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. The tile's G*T rows:
     NSUB blocks of M, then one of MR (none if 0; :func:`_score_rows`). ZERO_HIST: the first split zeroes the top-k's
     histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a memset launch less per
-    chunk."""
+    chunk. FP8 (FP8 scoring): ``Q``, ``K`` e4m3, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their scales."""
     split = tl.program_id(0)
     c = tl.program_id(1)
     hb = tl.program_id(2)
@@ -267,21 +304,28 @@ def _score_kernel(
     k_base = K + b64 * stride_kb + h * stride_kh
     buf = Buf + b64 * stride_bb + h * stride_bh + c * stride_bc
     f0 = tl.arange(0, M)
-    q, lse2, q_r, lse2_r = 0, 0, 0, 0  # (placeholders for the blocks that are reloaded or absent)
+    q, lse2, qs, q_r, lse2_r, qs_r = 0, 0, 0, 0, 0, 0  # (placeholders for the blocks that are reloaded or absent)
     if NSUB == 1:  # one block of M rows (and the remainder's): held for the whole loop
-        q, lse2 = _tile_q(Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset, HQ, G, T)
+        q, lse2, qs = _tile_q(Q, Lse, SQ, b64, h, start, t, f0, offs_d, stride_qb, stride_qh, stride_ql, L, q_offset,
+                              qk_scale, HQ, G, T, FP8, FP8_MMA)
     if MR > 0:
-        q_r, lse2_r = _tile_q(Q, Lse, b64, h, start, t, NSUB * M + tl.arange(0, MR), offs_d, stride_qb, stride_qh,
-                              stride_ql, L, q_offset, HQ, G, T)
+        q_r, lse2_r, qs_r = _tile_q(Q, Lse, SQ, b64, h, start, t, NSUB * M + tl.arange(0, MR), offs_d, stride_qb,
+                                    stride_qh, stride_ql, L, q_offset, qk_scale, HQ, G, T, FP8, FP8_MMA)
+    sk_base = SK + (b64 * H + h) * n_keys + start
     # Whole blocks of candidate keys unmasked (every key's pooled value is its own: no mask enters the sums), then
     # the partial block (at most one), masked.
     n_whole = tl.maximum(hi_s - lo, 0) // BLOCK_N
     k_ptr = k_base + (start + lo + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     for j in range(0, n_whole):
         kt = tl.load(k_ptr)
-        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
-                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
         kpos = lo + j * BLOCK_N + offs_n
+        sk = None
+        if FP8:
+            kt = _fp8_operand(kt, FP8_MMA)
+            sk = tl.load(sk_base + kpos)
+        pooled = _pool_rows(kt, sk, q, lse2, qs, q_r, lse2_r, qs_r, Q, Lse, SQ, b64, h, start, t, f0, offs_d,
+                            stride_qb, stride_qh, stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY,
+                            FP8, FP8_MMA)
         tl.store(buf + kpos, pooled)
         k_ptr += BLOCK_N * stride_kn
     for j0 in range(lo + n_whole * BLOCK_N, hi_s, BLOCK_N):
@@ -289,8 +333,13 @@ def _score_kernel(
         km = kpos < hi_s
         kt = tl.load(k_base + (start + kpos).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                      mask=km[:, None], other=0.0)
-        pooled = _pool_rows(kt, q, lse2, q_r, lse2_r, Q, Lse, b64, h, start, t, f0, offs_d, stride_qb, stride_qh,
-                            stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY)
+        sk = None
+        if FP8:
+            kt = _fp8_operand(kt, FP8_MMA)
+            sk = tl.load(sk_base + kpos, mask=km, other=1.0)
+        pooled = _pool_rows(kt, sk, q, lse2, qs, q_r, lse2_r, qs_r, Q, Lse, SQ, b64, h, start, t, f0, offs_d,
+                            stride_qb, stride_qh, stride_ql, L, q_offset, qk_scale, HQ, G, T, M, NSUB, MR, F32, POLY,
+                            FP8, FP8_MMA)
         tl.store(buf + kpos, pooled, mask=km)
     for j0 in range(tl.maximum(lo, s_len), hi, BLOCK_N):  # keys at or after the tile: never candidates
         kpos = j0 + offs_n
@@ -517,18 +566,20 @@ def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, re
 
 def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) -> torch.Tensor:
     """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass). Other
-    keywords: the launch (block_m, block_n, num_warps, num_stages)."""
+    keywords: the launch (block_m, block_n, num_warps, num_stages), and ``fp8=(sq, sk)``: ``q``, ``k`` are e4m3
+    (:func:`quantized`) and these their scales, the LSE of FP8 scoring's scores."""
     return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=False,
                       write_lse=True, **cfg)[1]
 
 
 def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v, write_lse, out=None, block_m=None,
-               block_n=None, num_warps=None, num_stages=None, geometry=None):
+               block_n=None, num_warps=None, num_stages=None, geometry=None, fp8=None):
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
     f32, rne = flags(q)
     cfg = _launch("fp32" if q.dtype == torch.float32 else "dense" if has_v else "lse", D)
+    assert fp8 is None or (not has_v and q.dtype == k.dtype == fp8_kernels.E4M3), "FP8: the LSE pass of e4m3 q, k"
     BQ, M = _rows(G, block_m or cfg.block_m)
     bn = block_n or cfg.block_n
     if has_v:
@@ -537,15 +588,25 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
     lse = torch.empty(B, HQ, L, dtype=torch.float32, device=dev) if write_lse else ks
     vv = v if has_v else k
     oo = out if has_v else q
+    sq, sk = fp8 if fp8 is not None else (lse, lse)
     _dense_kernel[(cdiv(L, BQ), H, B)](
-        q, k, vv, oo, lse, ks,
+        q, k, vv, oo, lse, ks, sq, sk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
-        L, q_offset, scale * LOG2E,
+        L, q_offset, scale * LOG2E, k.shape[2],
         G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
+        FP8=fp8 is not None, FP8_MMA=fp8 is not None and fp8_mma(q.device, D),
         num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
     )
     return (out if has_v else None), (lse if write_lse else None)
+
+
+def quantized(q, k) -> tuple:
+    """FP8 scoring's inputs (:mod:`kascade.ops.fp8`): ``(q8, k8, sq [B, HQ, L], sk [B, H, N])``, each head vector
+    e4m3 with its power-of-two scale, by the one-pass kernel (:func:`kascade.ops.triton.fp8.quantize`)."""
+    q8, sq = fp8_kernels.quantize(q)
+    k8, sk = fp8_kernels.quantize(k)
+    return q8, k8, sq, sk
 
 
 def _tile_rows(G: int, T: int, M: int | None = None) -> tuple[int, int]:
@@ -612,7 +673,11 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
       pipes, :func:`_pool`, 0: none).
     * ``lse_launch``: the QK-only LSE pass's (``block_m``, ``block_n``, ``num_warps``, ``num_stages``, as
       :func:`prefill_lse` takes them; an assertion when ``lse`` is given).
-    * ``scores_only``: score every chunk but find no top keys (the indices stay -1): the benchmark's breakdown."""
+    * ``scores_only``: score every chunk but find no top keys (the indices stay -1): the benchmark's breakdown.
+
+    FP8 scoring (``budget.score_dtype == "fp8"``, :mod:`kascade.ops.fp8`): ``q`` and ``k`` are quantised once
+    (:func:`quantized`: an e4m3 copy of each, a byte an element, and a float per head vector), and both passes score
+    with them; ``lse`` must not be given (it would be the exact scores')."""
     assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
@@ -635,26 +700,32 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method,
                rank_factor=rank_factor, scoring=scoring or Launch(), scores_only=scores_only)
     lse_cfg = lse_launch.set_fields() if lse_launch is not None else {}
+    fp8 = budget.score_dtype == "fp8"
+    if fp8:
+        assert lse is None, "FP8 scoring makes its LSE from its own scores"
+        q, k, sq, sk = quantized(q, k)
     g = B if lse is not None else prefill_chunks.lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
+        scales = (sq[sl], sk[sl]) if fp8 else None
         if lse is None:
-            lse_g = prefill_lse(q[sl], k[sl], scale=scale, geometry=(ks[sl], host_start[sl], q_offset), **lse_cfg)
+            lse_g = prefill_lse(q[sl], k[sl], scale=scale, geometry=(ks[sl], host_start[sl], q_offset), fp8=scales,
+                                **lse_cfg)
             fixed = lse_g.numel() * 4
         else:
             lse_g, fixed = lse[sl], 0
         _select_group(q[sl], k[sl], lse_g, ks[sl], rs[sl], host_start[sl], first_t[sl], count_t[sl],
-                      budgets_host[sl], indices[sl], fixed, **cfg)
+                      budgets_host[sl], indices[sl], fixed, fp8=scales, **cfg)
         del lse_g
     return Selection(indices=indices, row_start=rs.long(), tile=T, decode=False, ranked=rank_factor is not None)
 
 
 def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host, indices, fixed, *, scale, q_offset,
-                  T, max_chunk_bytes, method, rank_factor, scoring, scores_only):
+                  T, max_chunk_bytes, method, rank_factor, scoring, scores_only, fp8=None):
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles (:func:`kascade.ops.prefill_chunks.plan_chunks`), each
     scored into a buffer whose top keys are found per row. ``fixed``: bytes of the bound already taken (the group's
-    LSE when made for it)."""
+    LSE when made for it). ``fp8``: ``(sq, sk)``, the scales of e4m3 ``q`` and ``k`` (FP8 scoring)."""
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     K = indices.shape[3]
@@ -673,6 +744,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     M, NSUB, MR = _score_rows(G, T, scoring.block_m)
     launch = replace(_launch("score_reloaded" if NSUB > 1 else "score", D), **scoring.set_fields())
     bn = launch.block_n
+    native = fp8_mma(dev, D)
     sms = num_sms(dev)
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
@@ -693,13 +765,15 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
             hist = torch.empty(B * H * C, topk.NHIST, dtype=torch.int32, device=dev) if direct else buf
             per = W if dev.type != "cuda" else max(bn, cdiv(W, max(1, cdiv(4 * sms, B * H * C))))
             per = cdiv(per, bn) * bn
+            sq, sk = fp8 if fp8 is not None else (lse, lse)
             _score_kernel[(cdiv(W, per), C, B * H)](
-                q, k, lse, ks, rs, buf, hist,
+                q, k, lse, ks, rs, buf, hist, sq, sk,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 buf.stride(0), buf.stride(1), buf.stride(2),
-                L, q_offset, r0, C, W, per, scale * LOG2E,
+                L, q_offset, r0, C, W, per, scale * LOG2E, k.shape[2],
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, POLY=launch.fma_exp, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                ZERO_HIST=direct, POLY=launch.fma_exp, FP8=fp8 is not None, FP8_MMA=fp8 is not None and native,
+                num_warps=launch.num_warps, num_stages=launch.num_stages,
             )
             if scores_only:  # the benchmark's breakdown: the scoring kernels alone
                 pass
@@ -776,8 +850,10 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
 def dense_select_prefill(q, k, v, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                          max_chunk_bytes=64 << 20, index_dtype=None, rank_factor=None):
     """Layer 0: the dense output (with its LSE), then the selection (ranked with ``rank_factor``, see
-    :func:`select_prefill`). ``-> (out, Selection)``."""
+    :func:`select_prefill`), both exact whatever the budget's ``score_dtype`` (FP8 scoring is the anchors').
+    ``-> (out, Selection)``."""
     out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, return_lse=True)
+    budget = replace(budget or step.budget, score_dtype=None)
     sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, lse=lse,
                          max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, rank_factor=rank_factor)
     return out, sel

@@ -1,0 +1,173 @@
+"""FP8 scoring on the GPU: the anchors' speed with e4m3 scoring against exact scoring and the best dense kernel in
+the same run, and what the FP8 selection keeps of the exact one on random inputs (one GPU call).
+
+    python -m benchmarks.fp8_scoring [--out DIR] [--quick]
+
+For Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, D = 128) and the default model's (9 / 3, D = 64),
+bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype="fp8"`` (:mod:`kascade.ops.fp8`):
+
+* prefill, B = 1, N in 32K / 128K: cuDNN SDPA (the dense baseline), the anchor layer (selection with its own LSE
+  pass, then the sparse pass), its parts (quantising q and k, the LSE pass, the selection), layer 0 and a reuse
+  layer, and the model average of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers);
+* decode, B in 1 / 32, N in 32K / 128K, each call captured in a CUDA graph and replayed: dense (the faster of SDPA
+  and our split-K kernel), the anchor layer with exact scoring and with FP8 scoring over an e4m3 copy of the keys
+  (what a decode step keeping its anchors' keys in e4m3 reads; the copy's bytes are reported), its selection alone,
+  layer 0, a reuse layer, and the model average;
+* selection agreement (random inputs, whose near-uniform attention is a hard case for ranking): per row the share of
+  the exact selection's keys that the FP8 selection keeps, and (decode) the share of the exact selection's pooled
+  probability that the FP8 selection holds.
+
+Writes fp8_scoring.json and a text summary under --out (default out/fp8_scoring). ``--quick``: small shapes only (a
+smoke test that runs on any CUDA GPU in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from benchmarks.common import log, out_folder
+from benchmarks.common.shapes import DECODE_BUDGET, MODELS, PREFILL_BUDGET, decode_inputs, prefill_inputs
+from benchmarks.common.timing import graph_us, median_ms
+from kascade.budget import Budget
+from kascade.ops.step import decode_meta
+from kascade.ops.triton import decode as td
+from kascade.ops.triton import fp8 as tf
+from kascade.ops.triton import prefill as tp
+
+
+def _fp8(b: Budget) -> Budget:
+    return Budget(ratio=b.ratio, k_min=b.k_min, tile=b.tile, rolling=b.rolling, score_dtype="fp8")
+
+
+def kept_share(a: torch.Tensor, b: torch.Tensor, n: int, rows_per_chunk: int = 2048) -> float:
+    """Mean over rows of |a ∩ b| / |a| for index rows ``a``, ``b`` ``[..., K]`` (-1 padding) of keys ``< n``."""
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    shares = []
+    for r0 in range(0, a.shape[0], rows_per_chunk):
+        ra, rb = a[r0:r0 + rows_per_chunk].long(), b[r0:r0 + rows_per_chunk].long()
+        mask = torch.zeros(ra.shape[0], n + 1, dtype=torch.bool, device=a.device)
+        mask.scatter_(1, torch.where(rb >= 0, rb, n), True)
+        mask[:, n] = False
+        hit = mask.gather(1, torch.where(ra >= 0, ra, n)).sum(1)
+        size = (ra >= 0).sum(1)
+        ok = size > 0
+        shares.append((hit[ok].float() / size[ok].float()))
+    return float(torch.cat(shares).mean())
+
+
+def prefill_row(name, HQ, H, D, N) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = prefill_inputs(HQ, H, D, N, seed=N)
+    sc, G = D**-0.5, HQ // H
+    exact, fp8 = PREFILL_BUDGET, _fp8(PREFILL_BUDGET)
+    row = dict(model=name, B=1, N=N)
+    ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        row["cudnn"] = median_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True))
+    del ke, ve
+    row["quantize_qk"] = median_ms(lambda: tp.quantized(q, k))
+    q8, k8, sq, sk = tp.quantized(q, k)
+    row["lse"] = median_ms(lambda: tp.prefill_lse(q, k, scale=sc))
+    row["lse_fp8"] = median_ms(lambda: tp.prefill_lse(q8, k8, scale=sc, fp8=(sq, sk)))
+    del q8, k8, sq, sk
+    for tag, b in (("", exact), ("_fp8", fp8)):
+        row["select" + tag] = median_ms(lambda: tp.select_prefill(q, k, budget=b, scale=sc))
+        row["select_scores_only" + tag] = median_ms(lambda: tp.select_prefill(q, k, budget=b, scale=sc,
+                                                                             scores_only=True))
+        row["anchor" + tag] = median_ms(lambda: tp.anchor_prefill(q, k, v, budget=b, scale=sc))
+    row["layer0"] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
+    sel = tp.select_prefill(q, k, budget=exact, scale=sc)
+    row["reuse"] = median_ms(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc))
+    sel8 = tp.select_prefill(q, k, budget=fp8, scale=sc)
+    row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
+    del sel, sel8
+    for tag in ("", "_fp8"):
+        row["anchor_x" + tag] = row["anchor" + tag] / row["cudnn"]
+        row["model_avg" + tag] = 32 * row["cudnn"] / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+    log(f"prefill {name} N={N}: cudnn {row['cudnn']:.2f} ms | anchor {row['anchor']:.2f} ({row['anchor_x']:.2f}x) "
+        f"fp8 {row['anchor_fp8']:.2f} ({row['anchor_x_fp8']:.2f}x) | lse {row['lse']:.2f} / {row['lse_fp8']:.2f} | "
+        f"quantize {row['quantize_qk']:.2f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | "
+        f"kept {row['kept_share']:.4f}")
+    return row
+
+
+def decode_row(name, HQ, H, D, B, N) -> dict:
+    q, k, v = decode_inputs(B, HQ, H, N, D, "cuda", seed=N + B)
+    sc, dev = D**-0.5, q.device
+    exact, fp8 = DECODE_BUDGET, _fp8(DECODE_BUDGET)
+    meta = decode_meta(B, device=dev, q_offset=N - 1, budget=exact)
+    row = dict(model=name, B=B, N=N)
+    out = torch.empty_like(q)
+    row["sdpa"] = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=sc, enable_gqa=True))
+    row["dense_ours"] = graph_us(lambda: td.dense_decode(q, k, v, scale=sc, meta=meta, out=out))
+    row["dense"] = min(row["sdpa"], row["dense_ours"])
+    k_fp8 = tf.quantize(k)
+    row["fp8_copy_mb"] = (k_fp8[0].numel() + 4 * k_fp8[1].numel()) / 2**20
+    sel = td.select_decode(q, k, budget=exact, scale=sc, meta=meta)
+    row["reuse"] = graph_us(lambda: td.sparse_decode(q, k, v, sel.indices, scale=sc, out=out))
+    row["layer0"] = graph_us(lambda: td.dense_select_decode(q, k, v, budget=exact, scale=sc, meta=meta, out=out))
+    for tag, b, kw in (("", exact, {}), ("_fp8", fp8, {"k_fp8": k_fp8})):
+        row["select" + tag] = graph_us(lambda: td.select_decode(q, k, budget=b, scale=sc, meta=meta, **kw))
+
+        def anchor():
+            s = td.select_decode(q, k, budget=b, scale=sc, meta=meta, **kw)
+            td.sparse_decode(q, k, v, s.indices, scale=sc, out=out)
+
+        row["anchor" + tag] = graph_us(anchor)
+    sel8 = td.select_decode(q, k, budget=fp8, scale=sc, meta=meta, k_fp8=k_fp8)
+    row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
+    # pooled exact probabilities: the mass each selection holds
+    shares = []
+    for i in range(B):
+        p = torch.einsum("hgd,hnd->hgn", q[i].float().view(H, HQ // H, D), k[i].float()).mul(sc).softmax(-1).sum(1)
+        m = [torch.where(s.indices[i, :, 0] >= 0, p.gather(-1, s.indices[i, :, 0].long().clamp_min(0)), 0).sum(-1)
+             for s in (sel, sel8)]
+        shares.append(m[1] / m[0])
+    row["mass_share"] = float(torch.cat(shares).mean())
+    for tag in ("", "_fp8"):
+        row["anchor_x" + tag] = row["anchor" + tag] / row["dense"]
+        row["model_avg" + tag] = 32 * row["dense"] / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+    log(f"decode {name} B={B} N={N}: dense {row['dense']:.1f} us | anchor {row['anchor']:.1f} ({row['anchor_x']:.2f}x)"
+        f" fp8 {row['anchor_fp8']:.1f} ({row['anchor_x_fp8']:.2f}x) | select {row['select']:.1f} / "
+        f"{row['select_fp8']:.1f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | kept "
+        f"{row['kept_share']:.4f} mass {row['mass_share']:.5f}")
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", default=None, help="folder for fp8_scoring.json (default out/fp8_scoring)")
+    ap.add_argument("--quick", action="store_true", help="small shapes only: a smoke test")
+    ap.add_argument("--parts", default="prefill,decode", help="comma list of prefill, decode")
+    args = ap.parse_args(argv)
+    out = out_folder(args.out, "fp8_scoring")
+    assert torch.cuda.is_available(), "this benchmark times kernels on a CUDA GPU"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.cuda.get_device_name()
+    res = dict(device=dev, torch=torch.__version__, triton=triton.__version__, prefill=[], decode=[])
+    log(f"{dev}, torch {torch.__version__}, triton {triton.__version__}")
+    ns = (4096,) if args.quick else (32768, 131072)
+    parts = args.parts.split(",")
+    for name, (HQ, H, D) in MODELS.items():
+        if "prefill" in parts:
+            for N in ns:
+                res["prefill"].append(prefill_row(name, HQ, H, D, N))
+                torch.cuda.empty_cache()
+        if "decode" in parts:
+            for B in ((1,) if args.quick else (1, 32)):
+                for N in ns:
+                    res["decode"].append(decode_row(name, HQ, H, D, B, N))
+                    torch.cuda.empty_cache()
+        (out / "fp8_scoring.json").write_text(json.dumps(res, indent=1))
+    log("wrote", out / "fp8_scoring.json")
+
+
+if __name__ == "__main__":
+    main()
