@@ -321,6 +321,23 @@ def fp8_fidelity() -> str:
     return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
 
 
+def fp8_speed() -> str:
+    """The anchors with exact and with FP8 scoring, per shape (the H100's run of ``benchmarks.fp8_scoring``), the
+    run-12 figures of the same shape (``kernels``, exact scoring, an earlier run) beside where there is one."""
+    h = results("h100")
+    run12 = {(k, r["model"], r["B"], r["N"]): r for k in ("prefill", "decode") for r in h["kernels"][k]}
+    rows = []
+    for phase in ("prefill", "decode"):
+        for r in h["fp8_scoring"][phase]:
+            old = run12.get((phase, r["model"], r["B"], r["N"]))
+            rows.append([phase, MODEL_NAMES[r["model"]], r["B"], _n(r["N"]),
+                         _x(old["anchor_x"]) if old else "-", _x(r["anchor_x"]), _x(r["anchor_x_fp8"]),
+                         _x(old["model_speedup"]) if old else "-", _x(r["model_avg"]), _x(r["model_avg_fp8"]),
+                         f"{r['kept_share']:.3f}"])
+    return _table(["phase", "shapes", "B", "N", "anchor, run 12", "anchor, exact", "anchor, FP8", "model, run 12",
+                   "model, exact", "model, FP8", "keys kept"], rows)
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def tp_fidelity(model: str) -> str:
     t = results("accuracy")["tensor_parallel"][model]
@@ -397,6 +414,7 @@ BLOCKS = {
     "mass-budgets": mass_budgets,
     "fp8-selection": fp8_selection,
     "fp8-fidelity": fp8_fidelity,
+    "fp8-speed": fp8_speed,
     "tp-fidelity": tp_fidelity,
     "tp-links": tp_links,
     "tp-exchange": tp_exchange,

@@ -59,6 +59,8 @@ def variants():
         yield (f"decode score fp8 D{D}", td._split_kernel,
                {**base, "SPARSE": False, "HAS_V": False, "WRITE_SCORES": True, "DIRECT": False, "BLOCK_N": bn,
                 "FP8": True, "FP8_MMA": True}, nw, ns)
+        yield (f"decode merge D{D}", td._merge_kernel, dict(H=8, G=G, D=D, SB=td._merge_block(64, D), RNE=False),
+               4, 3)
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
                {**base, "SPARSE": True, "HAS_V": True, "WRITE_SCORES": False, "DIRECT": False, "PAGED": True,
                 "PAGE": 16, "HAS_CNT": True, "MAXB": 8, "BLOCK_N": td._default_config(D, "sparse")[0]}, 4, 3)

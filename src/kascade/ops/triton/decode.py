@@ -67,7 +67,7 @@ def _split_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
     HAS_CNT: tl.constexpr, MAXB: tl.constexpr, SB: tl.constexpr, FP8: tl.constexpr = False,
-    FP8_MMA: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = False, MERGE: tl.constexpr = True,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FP8 (the
     scoring pass of FP8 scoring, contiguous caches): ``Q``, ``K`` e4m3, ``SQ [B, HQ]`` and ``SK [B, H, N]`` their
@@ -75,7 +75,8 @@ def _split_kernel(
 
     ``Ws``: the pass's fp32 scratch, ``[Mx [B, HQ, S]] [Ls [B, HQ, S]] [Acc [B, HQ, S, D] (with V and S > 1)]``, Acc
     at the first multiple of 64 elements.
-    ``Done [>= B * H]`` int32, zero between launches: with V and S > 1, the row's last program to finish merges."""
+    ``Done [>= B * H]`` int32, zero between launches: with V and S > 1, the row's last program to finish merges
+    (MERGE; else :func:`_merge_kernel`, launched after, does)."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -176,6 +177,8 @@ def _split_kernel(
             o = acc / l_i[:, None]
             tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                      to_out(o, Out.dtype.element_ty, RNE), mask=gm[:, None])
+        elif not MERGE:
+            tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
         else:
             tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
             # ---- the row's last program merges the S partials (no merge launch) ----
@@ -193,30 +196,49 @@ def _split_kernel(
 @triton.jit
 def _merge(Out, Acc, Mx, Ls, b64, h, S, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
            SB: tl.constexpr, RNE: tl.constexpr):
-    """Log-sum-exp merge of the S split partials of each of the G query heads of KV head ``h``: a head's partials
-    in blocks of SB splits (one block when S <= SB: loads issued together, one round trip to L2 a head)."""
+    """Log-sum-exp merge of the S split partials of each of the G query heads of KV head ``h``."""
+    for g in range(G):
+        _merge_head(Out, Acc, Mx, Ls, b64, h * G + g, S, stride_ob, stride_oh, H, G, D, SB, RNE)
+
+
+@triton.jit
+def _merge_head(Out, Acc, Mx, Ls, b64, hq, S, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr,
+                D: tl.constexpr, SB: tl.constexpr, RNE: tl.constexpr):
+    """The merge of query head ``hq``: its partials in blocks of SB splits (one block when S <= SB: loads issued
+    together, one round trip to L2 a head)."""
     offs_d = tl.arange(0, D)
     offs_s = tl.arange(0, SB)
-    for g in range(G):
-        hq = h * G + g
-        row = (b64 * (H * G) + hq) * S  # the head's first partial
-        mx = tl.full([], float("-inf"), tl.float32)
-        num = tl.zeros([D], tl.float32)
-        den = tl.zeros([], tl.float32)
-        for s0 in range(0, S, SB):
-            s = s0 + offs_s
-            ok = s < S
-            acc = tl.load(Acc + (row + s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0,
-                          cache_modifier=".cg")  # [SB, D]
-            m = tl.load(Mx + row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l = tl.load(Ls + row + s, mask=ok, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(mx, tl.max(m, 0))  # finite from the first block on: split 0 holds keys
-            alpha = tl.exp2(mx - m_new)  # 0 at the first block: one block is the plain merge
-            w = tl.exp2(m - m_new)  # splits without keys have m = -inf: weight 0
-            num = num * alpha + tl.sum(acc * w[:, None], 0)
-            den = den * alpha + tl.sum(l * w, 0)
-            mx = m_new
-        tl.store(Out + b64 * stride_ob + hq * stride_oh + offs_d, to_out(num / den, Out.dtype.element_ty, RNE))
+    row = (b64 * (H * G) + hq) * S  # the head's first partial
+    mx = tl.full([], float("-inf"), tl.float32)
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([], tl.float32)
+    for s0 in range(0, S, SB):
+        s = s0 + offs_s
+        ok = s < S
+        acc = tl.load(Acc + (row + s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0,
+                      cache_modifier=".cg")  # [SB, D]
+        m = tl.load(Mx + row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(Ls + row + s, mask=ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(mx, tl.max(m, 0))  # finite from the first block on: split 0 holds keys
+        alpha = tl.exp2(mx - m_new)  # 0 at the first block: one block is the plain merge
+        w = tl.exp2(m - m_new)  # splits without keys have m = -inf: weight 0
+        num = num * alpha + tl.sum(acc * w[:, None], 0)
+        den = den * alpha + tl.sum(l * w, 0)
+        mx = m_new
+    tl.store(Out + b64 * stride_ob + hq * stride_oh + offs_d, to_out(num / den, Out.dtype.element_ty, RNE))
+
+
+@triton.jit
+def _merge_kernel(Out, Ws, S, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  SB: tl.constexpr, RNE: tl.constexpr):
+    """The merge as a launch of its own, one program a (query head, sequence): what a CUDA graph runs (a launch
+    costs nothing there, and the merge of each head runs in parallel instead of a KV head's last program merging
+    its G heads one after the other: at B = 1 that tail cost the reuse pass 15% on an H100)."""
+    hq = tl.program_id(0)
+    b64 = tl.program_id(1).to(tl.int64)
+    n_st = tl.num_programs(1) * H * G * S
+    _merge_head(Out, Ws + ((2 * n_st + 63) // 64) * 64, Ws, Ws + n_st, b64, hq, S, stride_ob, stride_oh, H, G, D,
+                SB, RNE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,12 +422,14 @@ def _counters(device, n: int) -> torch.Tensor:
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
                counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None,
-               fp8=None):
+               fp8=None, fused_merge=None):
     """Launch the split-K kernel (one launch: the partials of several splits are merged by the row's last program).
     Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
     selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
     rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32. ``fp8``: ``(sq [B, HQ, 1],
-    sk [B, H, N])``, the scales of e4m3 ``q`` and ``k`` (the scoring pass of FP8 scoring)."""
+    sk [B, H, N])``, the scales of e4m3 ``q`` and ``k`` (the scoring pass of FP8 scoring). ``fused_merge``: whether the
+    row's last program merges (one launch) or :func:`_merge_kernel` does (a second launch); default: fused, but
+    while a CUDA graph is being captured."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -427,7 +451,11 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev)
     else:
         Sc = Hist = ws
-    done = _done(dev, B * H) if has_v and p.S > 1 else ws
+    merged = has_v and p.S > 1
+    # one launch when eager (the host's time per launch is what eager decoding waits for); two inside a CUDA graph
+    fused = merged and (fused_merge if fused_merge is not None
+                        else not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    done = _done(dev, B * H) if fused else ws
     qs = q.stride()
     os_ = out.stride() if out is not None else (0, 0)
     assert (fp8 is not None) == (q.dtype == torch.float8_e4m3fn) and (fp8 is None or not (has_v or paged))
@@ -440,8 +468,12 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
         n_keys, p.per, sc_row, scale * LOG2E, *(sk.stride()[:2] if fp8 is not None else (0, 0)),
-        PAGE=max(page, 1), **p.consts,
+        PAGE=max(page, 1), MERGE=fused, **p.consts,
     )
+    if merged and not fused:
+        c = p.consts
+        _merge_kernel[(H * G, B)](out, ws, p.S, os_[0], os_[1], H=H, G=G, D=D, SB=c["SB"], RNE=c["RNE"],
+                                  num_warps=4)
     if not write_scores:
         return out, None, None, None, None, p.S
     return out, ws, Sc, ws[p.pooled:], Hist, p.S

@@ -17,10 +17,14 @@ from ..fp8 import E4M3
 from .common import interpreting
 
 
+# Whether FP8 scoring's dots may use the FP8 tensor cores (see fp8_mma); a switch for the benchmark to compare.
+FP8_TENSOR_CORES = True
+
+
 def fp8_mma(device: torch.device, D: int) -> bool:
     """Whether the kernels' FP8 dots run on FP8 tensor cores (sm_89 and later, at least 32 along D) rather than on
     bf16 ones (the same products: e4m3 values are bf16 values)."""
-    return (not interpreting() and device.type == "cuda" and D >= 32
+    return (FP8_TENSOR_CORES and not interpreting() and device.type == "cuda" and D >= 32
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
