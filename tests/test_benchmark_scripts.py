@@ -217,3 +217,16 @@ def test_fp8_selection_measures_by_hand():
     for kind in ("decode", "prefill"):
         kept, mass = rows[kind]
         assert len(kept) and (kept == 1).all() and torch.allclose(mass, torch.ones_like(mass)), kind
+
+
+def test_fp8_scoring_kept_share_by_hand():
+    """benchmarks.fp8_scoring's agreement measure on index rows built by hand: 2 of 3 keys kept, 2 of 2 (in another
+    order), and a row without keys left out: (2/3 + 1) / 2; any row split across chunks counts the same."""
+    import torch
+
+    from benchmarks import fp8_scoring
+
+    a = torch.tensor([[[0, 1, 2, -1]], [[3, 4, -1, -1]], [[-1, -1, -1, -1]]])
+    b = torch.tensor([[[0, 2, 5, -1]], [[4, 3, -1, -1]], [[1, -1, -1, -1]]])
+    for chunk in (1, 2, 2048):
+        assert abs(fp8_scoring.kept_share(a, b, 6, rows_per_chunk=chunk) - (2 / 3 + 1) / 2) < 1e-6
