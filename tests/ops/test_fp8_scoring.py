@@ -225,3 +225,21 @@ def test_a_plan_with_fp8_scoring_runs_a_model_and_selects_otherwise(factors, mon
     exact_sel, fp8_sel = seen[0], seen[len(seen) // 2]  # each plan's prefill anchor
     assert not torch.equal(exact_sel.indices, fp8_sel.indices)
     assert not torch.equal(logits["exact"], logits["fp8"])
+
+
+def test_enabling_fp8_scoring_on_triton_says_what_decode_costs(recwarn):
+    """On the Triton backend a plan with FP8 scoring warns that decode re-quantises each anchor's keys every step (no
+    silent slowdown); on the reference, which has no speed to lose, it does not."""
+    pytest.importorskip("triton")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=16,  # a Triton head dim
+                                   max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    fp = ModelFingerprint.from_model(model)
+    plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.25, k_min=4, tile=8).with_budget(score_dtype="fp8")
+    with pytest.warns(UserWarning, match="FP8 scoring .* quantises its layer's whole key cache"):
+        kascade.enable(model, plan, backend="triton", warn_uncalibrated=False).disable()
+    recwarn.clear()
+    kascade.enable(model, plan, backend="reference", warn_uncalibrated=False).disable()
+    assert not [w for w in recwarn if "FP8 scoring" in str(w.message)]
