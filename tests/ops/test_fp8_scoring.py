@@ -191,6 +191,8 @@ def test_the_jax_ops_refuse_fp8_scoring():
     q, k = (np.asarray(x, dtype=np.float32) for x in _hand_case())
     with pytest.raises(ValueError, match="FP8 scoring"):
         kjax.select(q, k, budget=Budget(score_dtype="fp8"))
+    with pytest.raises(ValueError, match="attention mass"):  # (it used to select by count, silently)
+        kjax.select(q, k, budget=Budget(mass=0.9))
 
 
 # -- a plan and a model ----------------------------------------------------------------------------------------------

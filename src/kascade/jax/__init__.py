@@ -185,6 +185,9 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     if budget.score_dtype is not None:
         raise ValueError(f"the JAX ops score exactly: FP8 scoring (budget.score_dtype={budget.score_dtype!r}) runs on "
                          "the torch ops (kascade.ops, backend='reference')")
+    if budget.mass is not None:
+        raise ValueError(f"the JAX ops select by count: a budget by attention mass (budget.mass={budget.mass!r}) runs "
+                         "on the torch ops (kascade.ops, backend='reference')")
     kv_start, q_offset = _geometry(q, k, None, kv_start, q_offset, backend)
     impl = _backend(backend)
     return impl.select(q, k, budget=budget, scale=_scale(scale, q), kv_start=kv_start, q_offset=q_offset)
