@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +34,11 @@ import triton
 from benchmarks.common import log, out_folder
 from benchmarks.common.shapes import DECODE_BUDGET, MODELS, PREFILL_BUDGET, decode_inputs, prefill_inputs
 from benchmarks.common.timing import graph_us, median_ms
-from kascade.budget import Budget
+from kascade.ops import reference
 from kascade.ops.step import decode_meta
 from kascade.ops.triton import decode as td
 from kascade.ops.triton import fp8 as tf
 from kascade.ops.triton import prefill as tp
-
-
-def _fp8(b: Budget) -> Budget:
-    return Budget(ratio=b.ratio, k_min=b.k_min, tile=b.tile, rolling=b.rolling, score_dtype="fp8")
 
 
 def kept_share(a: torch.Tensor, b: torch.Tensor, n: int, rows_per_chunk: int = 2048) -> float:
@@ -60,12 +57,20 @@ def kept_share(a: torch.Tensor, b: torch.Tensor, n: int, rows_per_chunk: int = 2
     return float(torch.cat(shares).mean())
 
 
+def _ratios(row: dict, dense: float) -> None:
+    """The anchor's ratio to ``dense`` and the model average (32 dense layers over layer 0 + 4 anchors + 27 reuse
+    layers), exact and FP8, into ``row``."""
+    for tag in ("", "_fp8"):
+        row["anchor_x" + tag] = row["anchor" + tag] / dense
+        row["model_avg" + tag] = 32 * dense / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+
+
 def prefill_row(name, HQ, H, D, N) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = prefill_inputs(HQ, H, D, N, seed=N)
     sc, G = D**-0.5, HQ // H
-    exact, fp8 = PREFILL_BUDGET, _fp8(PREFILL_BUDGET)
+    exact, fp8 = PREFILL_BUDGET, replace(PREFILL_BUDGET, score_dtype="fp8")
     row = dict(model=name, B=1, N=N)
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -87,9 +92,7 @@ def prefill_row(name, HQ, H, D, N) -> dict:
     sel8 = tp.select_prefill(q, k, budget=fp8, scale=sc)
     row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
     del sel, sel8
-    for tag in ("", "_fp8"):
-        row["anchor_x" + tag] = row["anchor" + tag] / row["cudnn"]
-        row["model_avg" + tag] = 32 * row["cudnn"] / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+    _ratios(row, row["cudnn"])
     log(f"prefill {name} N={N}: cudnn {row['cudnn']:.2f} ms | anchor {row['anchor']:.2f} ({row['anchor_x']:.2f}x) "
         f"fp8 {row['anchor_fp8']:.2f} ({row['anchor_x_fp8']:.2f}x) | lse {row['lse']:.2f} / {row['lse_fp8']:.2f} | "
         f"quantize {row['quantize_qk']:.2f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | "
@@ -100,7 +103,7 @@ def prefill_row(name, HQ, H, D, N) -> dict:
 def decode_row(name, HQ, H, D, B, N) -> dict:
     q, k, v = decode_inputs(B, HQ, H, N, D, "cuda", seed=N + B)
     sc, dev = D**-0.5, q.device
-    exact, fp8 = DECODE_BUDGET, _fp8(DECODE_BUDGET)
+    exact, fp8 = DECODE_BUDGET, replace(DECODE_BUDGET, score_dtype="fp8")
     meta = decode_meta(B, device=dev, q_offset=N - 1, budget=exact)
     row = dict(model=name, B=B, N=N)
     out = torch.empty_like(q)
@@ -122,17 +125,15 @@ def decode_row(name, HQ, H, D, B, N) -> dict:
         row["anchor" + tag] = graph_us(anchor)
     sel8 = td.select_decode(q, k, budget=fp8, scale=sc, meta=meta, k_fp8=k_fp8)
     row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
-    # pooled exact probabilities: the mass each selection holds
+    # the exact pooled probabilities (the reference's) each selection holds, a sequence at a time
     shares = []
     for i in range(B):
-        p = torch.einsum("hgd,hnd->hgn", q[i].float().view(H, HQ // H, D), k[i].float()).mul(sc).softmax(-1).sum(1)
+        p = reference.pooled_decode(q[i].float(), k[i].float(), sc)  # [H, N]
         m = [torch.where(s.indices[i, :, 0] >= 0, p.gather(-1, s.indices[i, :, 0].long().clamp_min(0)), 0).sum(-1)
              for s in (sel, sel8)]
         shares.append(m[1] / m[0])
     row["mass_share"] = float(torch.cat(shares).mean())
-    for tag in ("", "_fp8"):
-        row["anchor_x" + tag] = row["anchor" + tag] / row["dense"]
-        row["model_avg" + tag] = 32 * row["dense"] / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+    _ratios(row, row["dense"])
     log(f"decode {name} B={B} N={N}: dense {row['dense']:.1f} us | anchor {row['anchor']:.1f} ({row['anchor_x']:.2f}x)"
         f" fp8 {row['anchor_fp8']:.1f} ({row['anchor_x_fp8']:.2f}x) | select {row['select']:.1f} / "
         f"{row['select_fp8']:.1f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | kept "

@@ -2,6 +2,8 @@
 selects on FP8-rounded vectors, a hand-built case where the rounding changes the selected key, and its way through
 the public ops, the backends' rule, a plan and a model."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from kascade import ops
 from kascade.budget import Budget
 from kascade.ops import fp8, reference as R
 from kascade.plan import KascadePlan, ModelFingerprint, Reuse
+from tiny_model import tiny_llama
 
 
 def _inputs(B, HQ, H, N, L, D, dtype=torch.float32, seed=0):
@@ -20,8 +23,7 @@ def _inputs(B, HQ, H, N, L, D, dtype=torch.float32, seed=0):
 
 
 def _fp8(budget: Budget) -> Budget:
-    return Budget(ratio=budget.ratio, k_min=budget.k_min, tile=budget.tile, rolling=budget.rolling, mass=budget.mass,
-                  score_dtype="fp8")
+    return dataclasses.replace(budget, score_dtype="fp8")
 
 
 def _same(a, b):
@@ -196,18 +198,9 @@ def test_the_jax_ops_refuse_fp8_scoring():
 
 
 # -- a plan and a model ----------------------------------------------------------------------------------------------
-def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=512)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("factors", [None, (1.0, 0.5, 2.0, 1.0)], ids=["paper", "per-layer"])
 def test_a_plan_with_fp8_scoring_runs_a_model_and_selects_otherwise(factors, monkeypatch):
-    model = _tiny_llama()
+    model = tiny_llama()
     fp = ModelFingerprint.from_model(model)
     exact = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.25, k_min=4, tile=8,
                         reuse=Reuse() if factors is None else Reuse(factor=factors))
@@ -233,11 +226,7 @@ def test_enabling_fp8_scoring_on_triton_says_what_decode_costs(recwarn):
     """On the Triton backend a plan with FP8 scoring warns that decode re-quantises each anchor's keys every step (no
     silent slowdown); on the reference, which has no speed to lose, it does not."""
     pytest.importorskip("triton")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=16,  # a Triton head dim
-                                   max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(head_dim=16)  # a head dim the Triton kernels serve
     fp = ModelFingerprint.from_model(model)
     plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.25, k_min=4, tile=8).with_budget(score_dtype="fp8")
     with pytest.warns(UserWarning, match="FP8 scoring .* quantises its layer's whole key cache"):

@@ -11,6 +11,7 @@ from kascade import ops
 from kascade.budget import Budget, mass_counts, at_factor
 from kascade.ops import reference as R
 from kascade.plan import KascadePlan, ModelFingerprint, Reuse
+from tiny_model import tiny_llama
 
 
 def _zeros(B=1):
@@ -189,18 +190,9 @@ def test_reuse_prefix_scales_each_heads_kept_count():
         assert sorted(x for x in sets[h].tolist() if x >= 0) == sorted(sel.indices[0, h, 0, : half.counts[0, h, 0]].tolist())
 
 
-def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=512)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("scales", [None, (1.0, 0.5, 2.0, 1.0)])
 def test_a_plan_by_mass_runs_a_model_and_attends_fewer_keys_than_its_cap(scales):
-    model = _tiny_llama()
+    model = tiny_llama()
     fp = ModelFingerprint.from_model(model)
     reuse_rule = Reuse() if scales is None else Reuse(factor=scales)
     by_count = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.5, k_min=4, tile=8, reuse=reuse_rule)
@@ -232,7 +224,7 @@ def test_plan_with_mass_round_trips_and_refuses_merged_rules():
 def test_mass_for_fraction_finds_the_largest_share_within_the_budget():
     from kascade.calibrate.budgets import attended_fraction, mass_for_fraction
 
-    model = _tiny_llama()
+    model = tiny_llama()
     fp = ModelFingerprint.from_model(model)
     plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.8, k_min=2, tile=8)
     wins = [torch.randint(0, 97, (160,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]

@@ -24,9 +24,6 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 
-# The score dtypes a Budget may name: None (the inputs' own dtype, exact) or "fp8" (this module).
-SCORE_DTYPES = (None, "fp8")
-
 
 def scales(x: torch.Tensor) -> torch.Tensor:
     """Each vector's power-of-two scale: ``x [..., D]`` -> ``[...]`` fp32, ``2 ** (E - 8)`` with ``E`` the exponent

@@ -744,7 +744,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     M, NSUB, MR = _score_rows(G, T, scoring.block_m)
     launch = replace(_launch("score_reloaded" if NSUB > 1 else "score", D), **scoring.set_fields())
     bn = launch.block_n
-    native = fp8_mma(dev, D)
+    native = fp8 is not None and fp8_mma(dev, D)
     sms = num_sms(dev)
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
@@ -772,7 +772,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
                 buf.stride(0), buf.stride(1), buf.stride(2),
                 L, q_offset, r0, C, W, per, scale * LOG2E, k.shape[2],
                 HQ=HQ, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=bn, F32=f32, NHIST=topk.NHIST,
-                ZERO_HIST=direct, POLY=launch.fma_exp, FP8=fp8 is not None, FP8_MMA=fp8 is not None and native,
+                ZERO_HIST=direct, POLY=launch.fma_exp, FP8=fp8 is not None, FP8_MMA=native,
                 num_warps=launch.num_warps, num_stages=launch.num_stages,
             )
             if scores_only:  # the benchmark's breakdown: the scoring kernels alone
