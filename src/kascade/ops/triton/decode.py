@@ -179,10 +179,9 @@ def _split_kernel(
             o = acc / l_i[:, None]
             tl.store(Out + b64 * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                      to_out(o, Out.dtype.element_ty, RNE), mask=gm[:, None])
-        elif not MERGE:
-            tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
         else:
             tl.store(Acc + st[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=gm[:, None])
+        if not DIRECT and MERGE:
             # ---- the row's last program merges the S partials (no merge launch) ----
             # Every thread's partial stores come before the one thread's ticket (a CTA barrier; the release is then
             # cumulative over them). The tickets are read-modify-writes of one counter, one release sequence: the
