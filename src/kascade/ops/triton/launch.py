@@ -1,0 +1,87 @@
+"""Kernel launches without most of Triton's per-call host work (eager decoding waits for the host, not the GPU).
+
+``kernel[grid](*args, **constexprs)`` binds every argument by name, specialises each one, builds and hashes a cache
+key of all of them and their options, checks the kernel's globals and asks for launch metadata before the compiled
+launcher runs. A decode step launches the same few configurations in every layer, so :func:`launch` keeps, per
+configuration, the compiled kernel that Triton's own first launch returned and calls its launcher directly next time,
+after the one check that can change the compiled code between calls of one configuration: each runtime argument's
+specialisation (Triton's own function, on the arguments alone: a tensor's dtype and 16-byte alignment, an integer's
+width, divisibility by 16 and being 1). Any difference, a first call, Triton's interpreter or a launch hook (a
+profiler) takes Triton's own path.
+
+The constexprs and launch options come as a dict that names the configuration by its identity: the caller keeps
+one dict per configuration (a memoised launch plan's, or :func:`config`'s). Entries are found by that identity and
+hold the dict, so a configuration that is dropped and rebuilt is a new entry, never a stale one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .common import interpreting
+
+FAST = True  # False: every launch takes Triton's own path (a benchmark's comparison)
+_FAST: dict = {}
+_MAX_ENTRIES = 4096
+
+try:  # Triton's own specialisation of one argument, and its driver (absent under some Triton versions: no fast path)
+    from triton import knobs as _knobs
+    from triton._C.libtriton import native_specialize_impl as _specialize
+    from triton.backends.compiler import BaseBackend as _Backend
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _specialize = None
+
+
+@functools.lru_cache(maxsize=1024)
+def _config(items: tuple) -> dict:
+    return dict(items)
+
+
+def config(**consts) -> dict:
+    """The one dict of these constexprs and launch options (memoised): a configuration for :func:`launch`."""
+    return _config(tuple(consts.items()))
+
+
+def _signature(args) -> tuple:
+    return tuple([_specialize(_Backend, a, False, True, True) for a in args])
+
+
+def _tail(fn, n_args: int, consts: dict) -> tuple:
+    """The constexpr values after the ``n_args`` runtime arguments, in the kernel's parameter order (its launcher
+    takes every parameter and skips the constexprs)."""
+    params = fn.params
+    if any(p.is_constexpr for p in params[:n_args]) or not all(p.is_constexpr for p in params[n_args:]):
+        raise TypeError(f"{fn.__name__}: the fast launch needs the runtime arguments first, then the constexprs")
+    return tuple(consts[p.name] if p.name in consts else p.default for p in params[n_args:])
+
+
+def enabled() -> bool:
+    """Whether :func:`launch` can bypass Triton's launch path at all (compiled kernels, a Triton it knows)."""
+    return FAST and _specialize is not None and not interpreting()
+
+
+def launch(fn, grid: tuple, args: tuple, consts: dict) -> None:
+    """``fn[grid](*args, **consts)``, through the compiled launcher when this configuration ran before with
+    arguments specialised the same way. ``args``: the runtime arguments, positional, in order; ``consts``: the
+    constexprs and launch options (num_warps, num_stages), the caller's one dict of this configuration (see the
+    module)."""
+    if not enabled() or _knobs.runtime.launch_enter_hook is not None:
+        fn[grid](*args, **consts)
+        return
+    device = _driver.active.get_current_device()
+    key = (fn, id(consts), len(grid), device)
+    entry = _FAST.get(key)
+    sig = _signature(args)
+    if entry is not None and entry[0] is consts and entry[1] == sig:
+        kernel, tail = entry[2], entry[3]
+        g = grid + (1,) * (3 - len(grid))
+        kernel.run(g[0], g[1], g[2], _driver.active.get_current_stream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args, *tail)
+        return
+    kernel = fn[grid](*args, **consts)
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    if len(_FAST) >= _MAX_ENTRIES:
+        _FAST.clear()
+    _FAST[key] = (consts, sig, kernel, _tail(fn, len(args), consts))
