@@ -31,6 +31,7 @@ import time
 import torch
 
 from benchmarks.common import out_folder
+from benchmarks.common.tables import adaptation_table
 from kascade import text
 from kascade.calibrate.dp import choose_anchors, layer_weights, objective, plan_from_stats
 from kascade.calibrate.stats import collect_stats
@@ -63,32 +64,18 @@ def objective_share(stats, anchors) -> float:
 
 
 def summary(rows: list[dict], setup: dict) -> str:
-    by = {name: [r for r in rows if r["plan"] == name] for name in PLANS}
-    n = len(by["calibrated"])
-    lines = [f"Anchors per input against anchors once per model: {n} eval windows of {setup['length']} tokens, "
-             f"{setup['anchors']} anchors, faithful rule; calibrated on {setup['dev_windows']} dev windows; prefix "
-             f"{setup['prefix']} tokens. Means over windows; delta: paired, against 'calibrated'.", "",
-             "| plan | agreement | KL | delta agreement (min / mean / max) | windows better / worse |",
-             "|---|---|---|---|---|"]
-    cal = {r["window"]: r for r in by["calibrated"]}
-    for name in PLANS:
-        rs = by[name]
-        if not rs:
-            continue
-        d = [r["agreement"] - cal[r["window"]]["agreement"] for r in rs if r["window"] in cal]
-        better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
-        lines.append(f"| {name} | {statistics.mean(r['agreement'] for r in rs):.4f} | "
-                     f"{statistics.mean(r['kl'] for r in rs):.4f} | "
-                     + (f"{min(d):+.4f} / {statistics.mean(d):+.4f} / {max(d):+.4f} | {better} / {worse} |"
-                        if name != "calibrated" and d else "- | - |"))
-    shares = [r["objective_share"] for r in by["calibrated"]]
+    by_plan = {r["plan"]: r for r in rows}
+    shares = [r["objective_share"] for r in rows if r["plan"] == "calibrated"]
+    lines = [f"Anchors per input against anchors once per model: eval windows of {setup['length']} tokens, "
+             f"{setup['anchors']} anchors, the paper's rule; calibrated on {setup['dev_windows']} dev windows; prefix "
+             f"{setup['prefix']} tokens. Changes are paired per window against 'calibrated'.", "",
+             adaptation_table(rows), ""]
     if shares:
-        lines += ["", f"DP objective of the calibrated anchors on each window's own statistics, share of that "
-                      f"window's optimum: min {min(shares):.4f}, mean {statistics.mean(shares):.4f}."]
-    own = [r["anchor_set"] for r in by["own window"]]
-    if own:
-        lines.append("Anchor sets: calibrated " + str(by["calibrated"][0]["anchor_set"]) + "; own window "
-                     + "; ".join(str(a) for a in own) + ".")
+        lines.append(f"DP objective of the calibrated anchors on each window's own statistics, share of that "
+                     f"window's optimum: min {min(shares):.4f}, mean {statistics.mean(shares):.4f}.")
+    if "calibrated" in by_plan:
+        lines.append(f"Anchor sets: calibrated {by_plan['calibrated']['anchors']}; own window "
+                     + "; ".join(str(r["anchors"]) for r in rows if r["plan"] == "own window") + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +114,7 @@ def main(argv=None) -> list[dict]:
                     continue
                 f = pool(ref.compare(plan))
                 row = dict(setup=setup, window=i, plan=name, agreement=f.top1_agreement, kl=f.kl,
-                           anchor_set=list(plan.anchors),
+                           anchors=list(plan.anchors),
                            objective_share=objective_share(own_stats, plan.anchors))
                 rows.append(row)
                 log.write(json.dumps(row) + "\n")

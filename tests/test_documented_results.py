@@ -136,6 +136,26 @@ def test_calibration_cost_model_error():
     assert max(errors) < int(pct) / 100 and max(errors) > (int(pct) - 1) / 100
 
 
+def test_calibration_anchors_once_per_model_sentence():
+    """The calibration page's reading of the per-input anchor measurement: the own-window plan no better on average,
+    half the windows on the calibrated set, the calibrated set's share of each window's optimum, the prefix worse."""
+    lo, hi = _find(r"reaches ([\d.]+)-([\d.]+)% of each window's own optimum", _text(DOCS / "calibration.md"))
+    assert "half the windows pick the same set" in _text(DOCS / "calibration.md")
+    rows = tables.results("accuracy")["anchor_adaptation"]["rows"]
+    by = {name: sorted((r for r in rows if r["plan"] == name), key=lambda r: r["window"])
+          for name in ("calibrated", "own window", "prompt prefix")}
+    assert [r["window"] for r in by["own window"]] == [r["window"] for r in by["calibrated"]]
+    change = [o["agreement"] - c["agreement"] for o, c in zip(by["own window"], by["calibrated"])]
+    assert statistics.mean(change) <= 0.001  # "no better"
+    assert 2 * sum(o["anchors"] == c["anchors"] for o, c in zip(by["own window"], by["calibrated"])) \
+        == len(by["calibrated"])
+    shares = [r["objective_share"] for r in by["calibrated"]]
+    _shown(lo, 100 * min(shares))
+    assert float(hi) == 100 and max(shares) <= 1
+    prefix = [p["agreement"] - c["agreement"] for p, c in zip(by["prompt prefix"], by["calibrated"])]
+    assert statistics.mean(prefix) < 0  # "it is worse"
+
+
 def test_results_plan_speed_sentences():
     text = _text(DOCS / "results.md")
     (pct,) = _find(r"within (\d+)% for plans of one budget in decode", text)

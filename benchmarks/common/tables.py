@@ -301,6 +301,29 @@ def mass_budgets() -> str:
     return _table(["plan", "budget", "agreement", "KL (nats)", "keys attended"], rows)
 
 
+def adaptation_table(rows: list[dict]) -> str:
+    """Anchors per input against anchors once (``benchmarks.anchor_adaptation``'s rows: plan, window, agreement,
+    kl): means over windows, and each plan's per-window change of agreement against the calibrated plan's."""
+    plans = list(dict.fromkeys(r["plan"] for r in rows))
+    cal = {r["window"]: r["agreement"] for r in rows if r["plan"] == "calibrated"}
+    out = []
+    for name in plans:
+        rs = [r for r in rows if r["plan"] == name]
+        d = [r["agreement"] - cal[r["window"]] for r in rs if r["window"] in cal]
+        out.append([name, len(rs), f"{statistics.mean(r['agreement'] for r in rs):.4f}",
+                    f"{statistics.mean(r['kl'] for r in rs):.4f}",
+                    "-" if name == "calibrated" or not d else
+                    f"{min(d):+.4f} / {statistics.mean(d):+.4f} / {max(d):+.4f}",
+                    "-" if name == "calibrated" or not d else f"{sum(x > 0 for x in d)} / {sum(x < 0 for x in d)}"])
+    return _table(["anchors chosen", "windows", "agreement", "KL (nats)",
+                   "change of agreement per window: min / mean / max", "windows better / worse"], out)
+
+
+def anchor_adaptation() -> str:
+    """Anchors per input against anchors once per model (issue 39's item 3)."""
+    return adaptation_table(results("accuracy")["anchor_adaptation"]["rows"])
+
+
 def fp8_selection() -> str:
     """FP8 scoring's selection against exact scoring's, per shape: the exact selection's keys it keeps and the
     share of the exact selection's pooled probability it captures, min / mean over layers (or random draws)."""
@@ -412,6 +435,7 @@ BLOCKS = {
     "plans-accuracy": plans_accuracy,
     "needle": needle,
     "mass-budgets": mass_budgets,
+    "anchor-adaptation": anchor_adaptation,
     "fp8-selection": fp8_selection,
     "fp8-fidelity": fp8_fidelity,
     "fp8-speed": fp8_speed,
