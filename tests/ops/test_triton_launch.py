@@ -37,6 +37,7 @@ class _Kernel:
     def __init__(self, params):
         self.params, self.calls = params, []
         self.compiled = _Compiled(self.calls)
+        self.device_caches = {0: ({}, {}, "target", "backend", None)}  # Triton 3.6's: the backend is the fourth
 
     def __getitem__(self, grid):
         def run(*args, **consts):
@@ -45,14 +46,14 @@ class _Kernel:
         return run
 
 
-def _spec(_backend, a, *_):  # Triton's rule in small: integers by value 1 and divisibility by 16
+def _spec(backend, a, *_):  # Triton's rule in small: integers by value 1 and divisibility by 16
+    assert backend == "backend"  # the kernel's own backend, as Triton's binder uses
     return ("i32", "1" if a == 1 else "D" if a % 16 == 0 else "") if isinstance(a, int) else ("obj",)
 
 
 @pytest.fixture
 def fake_triton(monkeypatch):
     monkeypatch.setattr(L, "_specialize", _spec)
-    monkeypatch.setattr(L, "_Backend", None, raising=False)
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None)), raising=False)
     active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 7)
@@ -124,3 +125,11 @@ def test_compiled_fast_launch_equals_tritons_launch(monkeypatch):
 def test_config_is_one_dict_per_configuration():
     assert L.config(A=1, num_warps=4) is L.config(A=1, num_warps=4)
     assert L.config(A=1, num_warps=4) is not L.config(A=2, num_warps=4)
+
+
+def test_a_triton_that_keeps_its_backend_elsewhere_gets_no_fast_path(fake_triton):
+    fn, consts = _kernel(), dict(A=3)
+    del fn.device_caches
+    for _ in range(2):
+        L.launch(fn, (1,), ("t", 32), consts)
+    assert [c[0] for c in fn.calls] == ["triton", "triton"]

@@ -17,17 +17,20 @@ hold the dict, so a configuration that is dropped and rebuilt is a new entry, ne
 from __future__ import annotations
 
 import functools
+import os
 
 from .common import interpreting
 
 FAST = True  # False: every launch takes Triton's own path (a benchmark's comparison)
+# KASCADE_CHECK_LAUNCH=1: every direct launch first asks Triton which compiled kernel its own launch would run and
+# raises if that is not the kept one (the GPU tests' check of the key; costs what the fast path saves)
+CHECK = os.environ.get("KASCADE_CHECK_LAUNCH", "0") == "1"
 _FAST: dict = {}
 _MAX_ENTRIES = 4096
 
 try:  # Triton's own specialisation of one argument, and its driver (absent under some Triton versions: no fast path)
     from triton import knobs as _knobs
     from triton._C.libtriton import native_specialize_impl as _specialize
-    from triton.backends.compiler import BaseBackend as _Backend
     from triton.runtime.driver import driver as _driver
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _specialize = None
@@ -43,8 +46,17 @@ def config(**consts) -> dict:
     return _config(tuple(consts.items()))
 
 
-def _signature(args) -> tuple:
-    return tuple([_specialize(_Backend, a, False, True, True) for a in args])
+def _signature(backend, args) -> tuple:
+    return tuple([_specialize(backend, a, False, True, True) for a in args])
+
+
+def _backend(fn, device):
+    """The backend Triton's own launch of ``fn`` specialises with on ``device`` (``JITFunction.device_caches``, Triton
+    3.6), or None where that Triton keeps it elsewhere (then no fast path)."""
+    try:
+        return fn.device_caches[device][3]
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
 
 
 def _tail(fn, n_args: int, consts: dict) -> tuple:
@@ -54,6 +66,19 @@ def _tail(fn, n_args: int, consts: dict) -> tuple:
     if any(p.is_constexpr for p in params[:n_args]) or not all(p.is_constexpr for p in params[n_args:]):
         raise TypeError(f"{fn.__name__}: the fast launch needs the runtime arguments first, then the constexprs")
     return tuple(consts[p.name] if p.name in consts else p.default for p in params[n_args:])
+
+
+def _check(fn, device, args, consts, kernel) -> None:
+    """Raise unless Triton's own launch of these arguments would run ``kernel`` (Triton 3.6's launch path)."""
+    from triton.runtime.jit import compute_cache_key
+
+    kernel_cache, key_cache, _, _, binder = fn.device_caches[device]
+    _, specialization, options = binder(*args, **consts)
+    theirs = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+    if hasattr(theirs, "result"):
+        theirs = theirs.result()
+    if theirs is not kernel:
+        raise AssertionError(f"{fn.__name__}: the fast launch kept another compiled kernel than Triton would run")
 
 
 def enabled() -> bool:
@@ -72,9 +97,10 @@ def launch(fn, grid: tuple, args: tuple, consts: dict) -> None:
     device = _driver.active.get_current_device()
     key = (fn, id(consts), len(grid), device)
     entry = _FAST.get(key)
-    sig = _signature(args)
-    if entry is not None and entry[0] is consts and entry[1] == sig:
+    if entry is not None and entry[0] is consts and _signature(entry[4], args) == entry[1]:
         kernel, tail = entry[2], entry[3]
+        if CHECK:
+            _check(fn, device, args, consts, kernel)
         g = grid + (1,) * (3 - len(grid))
         kernel.run(g[0], g[1], g[2], _driver.active.get_current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *tail)
@@ -82,6 +108,9 @@ def launch(fn, grid: tuple, args: tuple, consts: dict) -> None:
     kernel = fn[grid](*args, **consts)
     if hasattr(kernel, "result"):
         kernel = kernel.result()
+    backend = _backend(fn, device)
+    if backend is None:
+        return
     if len(_FAST) >= _MAX_ENTRIES:
         _FAST.clear()
-    _FAST[key] = (consts, sig, kernel, _tail(fn, len(args), consts))
+    _FAST[key] = (consts, _signature(backend, args), kernel, _tail(fn, len(args), consts), backend)
