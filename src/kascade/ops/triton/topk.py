@@ -18,6 +18,7 @@ Kernels and launchers only: they assert, they do not validate.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -332,11 +333,23 @@ def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H,
     (``KMAX`` slots) into ``out``, a 3-d view whose last dim is contiguous: row ``r`` at ``out[r // out_rows,
     r % out_rows]``."""
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
-    for level in (2, 3, 4, 5):
-        launch(_radix_kernel, (C, rows), (vals, meta, Hist, State, Cnt, sc_row, C, mass),
-               config(H=H, CH=ch, NHIST=NHIST, LEVEL=level))
+    *levels, write = _radix_configs(H, ch, next_power_of_2(C), paged)
+    for c in levels:
+        launch(_radix_kernel, (C, rows), (vals, meta, Hist, State, Cnt, sc_row, C, mass), c)
     launch(_write_kernel, (C, rows), (vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0),
-                                      out.stride(1)), config(H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged))
+                                      out.stride(1)), write)
+
+
+@functools.lru_cache(maxsize=256)
+def _radix_configs(H: int, ch: int, c_pad: int, paged: bool) -> tuple:
+    """The constexprs of the refining passes (levels 2-5) and of the write, one dict each (:func:`.launch.launch`)."""
+    return (*(config(H=H, CH=ch, NHIST=NHIST, LEVEL=level) for level in (2, 3, 4, 5)),
+            config(H=H, CH=ch, C_PAD=c_pad, PAGED=paged))
+
+
+@functools.lru_cache(maxsize=256)
+def _pool_config(H: int, G: int, S: int, ch: int, radix: bool) -> dict:
+    return config(H=H, G=G, GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST, HIST=radix)
 
 
 def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -361,7 +374,7 @@ def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None
     State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
     launch(_pool_kernel, (C, rows), (Sc, Stats, meta.tensor, Pooled, Hist, State, sc_row, S),
-           config(H=H, G=G, GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST, HIST=radix))
+           _pool_config(H, G, S, ch, radix))
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
