@@ -1,0 +1,119 @@
+"""Where Kascade loses the needle: its prefill, its decode, or both (issue 39's needle gap).
+
+Each needle sample is answered greedily five ways, the prompt's prefill and the answer's decode steps each dense or
+under a plan: dense / dense, plan / plan (what ``kascade eval`` measures), plan prefill / dense decode, dense
+prefill / plan decode, and the oracle (every layer selects its own keys) in both phases. The pass rate of each, with
+95% Wilson intervals, says which phase the default plan's misses come from.
+
+    python -m benchmarks.needle_phases [--task needle_passkey] [--length 2048] [--samples 40] [--out DIR]
+
+Writes rows.jsonl (one line per sample and way, appended as they finish; a rerun skips them) and summary.md under
+--out (default out/needle_phases). CPU, fp32, the reference backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+from benchmarks.common import out_folder
+from kascade import enable
+from kascade.eval import needle
+from kascade.eval.results import wilson
+from kascade.models import load_model
+from kascade.plan import KascadePlan, ModelFingerprint, shipped_plan
+
+WAYS = {"dense": (None, None), "plan": ("plan", "plan"), "plan prefill, dense decode": ("plan", None),
+        "dense prefill, plan decode": (None, "plan"), "oracle": ("oracle", "oracle")}
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="needle_passkey", choices=needle.TASKS)
+    p.add_argument("--length", type=int, default=2048, help="prompt tokens")
+    p.add_argument("--samples", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="GGUF or Hugging Face folder (default: the embedded model)")
+    p.add_argument("--out", default=None, help="output folder (default out/needle_phases)")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def answer(model, tok, ids: dict, prefill, decode, max_new: int) -> str:
+    """Greedy answer with the prompt's prefill under ``prefill`` and each decode step under ``decode`` (plans, or
+    None for dense)."""
+    def phase(plan):
+        return (contextlib.nullcontext() if plan is None
+                else enable(model, plan, backend="reference", warn_uncalibrated=False))
+
+    with phase(prefill):
+        out = model(**ids, use_cache=True)
+    cache, mask = out.past_key_values, ids["attention_mask"]
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [nxt]
+    with phase(decode):
+        for _ in range(max_new - 1):
+            if nxt.item() == tok.eos_token_id:
+                break
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(nxt)
+    return tok.decode(torch.cat(tokens, 1)[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def summary(rows: list[dict], args) -> str:
+    lines = [f"{args.task}, {args.length} tokens, greedy, reference backend; pass rate [95% Wilson interval]", "",
+             "| prefill / decode | samples | passed | pass rate |", "|---|---|---|---|"]
+    for way in WAYS:
+        rs = [r for r in rows if r["way"] == way]
+        if rs:
+            k = sum(r["score"] for r in rs)
+            lo, hi = wilson(round(k), len(rs))
+            lines.append(f"| {way} | {len(rs)} | {k:g} | {k / len(rs):.2f} [{lo:.2f}, {hi:.2f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    a = _parse(argv)
+    out = out_folder(a.out, "needle_phases")
+    model, tok = load_model(a.model, device="cpu", dtype=torch.float32)
+    plans = {"plan": shipped_plan(model, "default")}
+    plans["oracle"] = KascadePlan.all_anchors(ModelFingerprint.from_model(model), ratio=plans["plan"].ratio,
+                                              k_min=plans["plan"].k_min)
+    key = dict(task=a.task, length=a.length, seed=a.seed)
+    path = out / "rows.jsonl"
+    rows = [r for r in map(json.loads, path.read_text().splitlines()) if all(r[k] == v for k, v in key.items())] \
+        if path.exists() else []
+    done = {(r["sample"], r["way"]) for r in rows}
+    with open(path, "a") as log:
+        for i in range(a.samples):
+            sample = needle.generate(a.task, tok, a.length, a.seed, i)
+            ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            t0 = time.perf_counter()
+            for way, (pre, dec) in WAYS.items():
+                if (i, way) in done:
+                    continue
+                pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens)
+                row = dict(key, sample=i, way=way, score=needle.score(sample, pred), prediction=pred,
+                           depth=sample.meta["depth"])
+                rows.append(row)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+            print(f"sample {i}: " + ", ".join(f"{r['way']} {r['score']:g}" for r in rows if r["sample"] == i)
+                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    text = summary(rows, a)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
