@@ -1,9 +1,10 @@
 """Where Kascade loses the needle: its prefill, its decode, or both (issue 39's needle gap).
 
-Each needle sample is answered greedily five ways, the prompt's prefill and the answer's decode steps each dense or
+Each needle sample is answered greedily six ways, the prompt's prefill and the answer's decode steps each dense or
 under a plan: dense / dense, plan / plan (what ``kascade eval`` measures), plan prefill / dense decode, dense
-prefill / plan decode, and the oracle (every layer selects its own keys) in both phases. The pass rate of each, with
-95% Wilson intervals, says which phase the default plan's misses come from.
+prefill / plan decode, the oracle (every layer selects its own keys) in both phases, and the plan with the prompt's
+last 32 tokens (one tile: the question's end and the chat template's turn marks) prefilled densely after the rest.
+The pass rate of each, with 95% Wilson intervals, says which phase the default plan's misses come from.
 
     python -m benchmarks.needle_phases [--task needle_passkey] [--length 2048] [--samples 40] [--out DIR]
 
@@ -28,7 +29,8 @@ from kascade.models import load_model
 from kascade.plan import KascadePlan, ModelFingerprint, shipped_plan
 
 WAYS = {"dense": (None, None), "plan": ("plan", "plan"), "plan prefill, dense decode": ("plan", None),
-        "dense prefill, plan decode": (None, "plan"), "oracle": ("oracle", "oracle")}
+        "dense prefill, plan decode": (None, "plan"), "oracle": ("oracle", "oracle"),
+        "plan prefill but its last 32 tokens dense, plan decode": ("plan", "plan", 32)}
 
 
 def _parse(argv):
@@ -44,16 +46,22 @@ def _parse(argv):
 
 
 @torch.no_grad()
-def answer(model, tok, ids: dict, prefill, decode, max_new: int) -> str:
+def answer(model, tok, ids: dict, prefill, decode, max_new: int, tail: int = 0) -> str:
     """Greedy answer with the prompt's prefill under ``prefill`` and each decode step under ``decode`` (plans, or
-    None for dense)."""
+    None for dense); with ``tail``, the prompt's last ``tail`` tokens are prefilled densely after the rest (a second
+    chunk over the first one's cache)."""
     def phase(plan):
         return (contextlib.nullcontext() if plan is None
                 else enable(model, plan, backend="reference", warn_uncalibrated=False))
 
+    ids_, mask = ids["input_ids"], ids["attention_mask"]
     with phase(prefill):
-        out = model(**ids, use_cache=True)
-    cache, mask = out.past_key_values, ids["attention_mask"]
+        out = model(input_ids=ids_[:, :ids_.shape[1] - tail], attention_mask=mask[:, :mask.shape[1] - tail],
+                    use_cache=True)
+    if tail:
+        out = model(input_ids=ids_[:, -tail:], attention_mask=mask, past_key_values=out.past_key_values,
+                    use_cache=True)
+    cache = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [nxt]
     with phase(decode):
@@ -98,10 +106,10 @@ def main(argv=None) -> list[dict]:
             ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)
             t0 = time.perf_counter()
-            for way, (pre, dec) in WAYS.items():
+            for way, (pre, dec, *tail) in WAYS.items():
                 if (i, way) in done:
                     continue
-                pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens)
+                pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens, *tail)
                 row = dict(key, sample=i, way=way, score=needle.score(sample, pred), prediction=pred,
                            depth=sample.meta["depth"])
                 rows.append(row)

@@ -59,6 +59,7 @@ def fake_triton(monkeypatch):
     active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 7)
     monkeypatch.setattr(L, "_driver", SimpleNamespace(active=active), raising=False)
     monkeypatch.setattr(L, "_FAST", {})
+    monkeypatch.setattr(L, "FAST", True)
 
 
 def _kernel():

@@ -7,7 +7,7 @@ configuration, the compiled kernel that Triton's own first launch returned and c
 after the one check that can change the compiled code between calls of one configuration: each runtime argument's
 specialisation (Triton's own function, on the arguments alone: a tensor's dtype and 16-byte alignment, an integer's
 width, divisibility by 16 and being 1). Any difference, a first call, Triton's interpreter or a launch hook (a
-profiler) takes Triton's own path.
+profiler) takes Triton's own path. Off unless ``KASCADE_FAST_LAUNCH=1``: not yet measured on a GPU (:data:`FAST`).
 
 The constexprs and launch options come as a dict that names the configuration by its identity: the caller keeps
 one dict per configuration (a memoised launch plan's, or :func:`config`'s). Entries are found by that identity and
@@ -21,7 +21,10 @@ import os
 
 from .common import interpreting
 
-FAST = True  # False: every launch takes Triton's own path (a benchmark's comparison)
+# On only with KASCADE_FAST_LAUNCH=1 until it is measured on a GPU (a Python key over a launch's ~40 arguments may
+# cost what Triton's own binding does: an earlier direct launcher with a key of its own gained nothing on an H100
+# host). Benchmarks set it to compare.
+FAST = os.environ.get("KASCADE_FAST_LAUNCH", "0") == "1"
 # KASCADE_CHECK_LAUNCH=1: every direct launch first asks Triton which compiled kernel its own launch would run and
 # raises if that is not the kept one (the GPU tests' check of the key; costs what the fast path saves)
 CHECK = os.environ.get("KASCADE_CHECK_LAUNCH", "0") == "1"
