@@ -28,9 +28,14 @@ from kascade.eval.results import wilson
 from kascade.models import load_model
 from kascade.plan import KascadePlan, ModelFingerprint, shipped_plan
 
-WAYS = {"dense": (None, None), "plan": ("plan", "plan"), "plan prefill, dense decode": ("plan", None),
-        "dense prefill, plan decode": (None, "plan"), "oracle": ("oracle", "oracle"),
-        "plan prefill but its last 32 tokens dense, plan decode": ("plan", "plan", 32)}
+WAYS = {  # name: (what it is, the prefill's plan, the decode's plan[, prompt tokens prefilled densely at the end])
+    "dense": ("dense", None, None),
+    "plan": ("the plan (prefill and decode)", "plan", "plan"),
+    "plan-prefill": ("the plan's prefill, dense decode", "plan", None),
+    "plan-decode": ("dense prefill, the plan's decode", None, "plan"),
+    "oracle": ("every layer selects (prefill and decode)", "oracle", "oracle"),
+    "plan-dense-tail": ("the plan, the prompt's last 32 tokens prefilled densely", "plan", "plan", 32),
+}
 
 
 def _parse(argv):
@@ -39,6 +44,8 @@ def _parse(argv):
     p.add_argument("--task", default="needle_passkey", choices=needle.TASKS)
     p.add_argument("--length", type=int, default=2048, help="prompt tokens")
     p.add_argument("--samples", type=int, default=40)
+    p.add_argument("--ways", default=None,
+                   help="comma list of the ways to run (default: all): " + ", ".join(WAYS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF or Hugging Face folder (default: the embedded model)")
     p.add_argument("--out", default=None, help="output folder (default out/needle_phases)")
@@ -78,18 +85,22 @@ def answer(model, tok, ids: dict, prefill, decode, max_new: int, tail: int = 0) 
 
 def summary(rows: list[dict], args) -> str:
     lines = [f"{args.task}, {args.length} tokens, greedy, reference backend; pass rate [95% Wilson interval]", "",
-             "| prefill / decode | samples | passed | pass rate |", "|---|---|---|---|"]
-    for way in WAYS:
+             "| way | what | samples | passed | pass rate |", "|---|---|---|---|---|"]
+    for way, (what, *_) in WAYS.items():
         rs = [r for r in rows if r["way"] == way]
         if rs:
             k = sum(r["score"] for r in rs)
             lo, hi = wilson(round(k), len(rs))
-            lines.append(f"| {way} | {len(rs)} | {k:g} | {k / len(rs):.2f} [{lo:.2f}, {hi:.2f}] |")
+            lines.append(f"| `{way}` | {what} | {len(rs)} | {k:g} | {k / len(rs):.2f} [{lo:.2f}, {hi:.2f}] |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> list[dict]:
     a = _parse(argv)
+    ways = WAYS if a.ways is None else {w: WAYS[w] for w in a.ways.split(",")} if all(
+        w in WAYS for w in a.ways.split(",")) else None
+    if ways is None:
+        raise SystemExit(f"--ways: choose from {', '.join(WAYS)}")
     out = out_folder(a.out, "needle_phases")
     model, tok = load_model(a.model, device="cpu", dtype=torch.float32)
     plans = {"plan": shipped_plan(model, "default")}
@@ -106,7 +117,7 @@ def main(argv=None) -> list[dict]:
             ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)
             t0 = time.perf_counter()
-            for way, (pre, dec, *tail) in WAYS.items():
+            for way, (_, pre, dec, *tail) in ways.items():
                 if (i, way) in done:
                     continue
                 pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens, *tail)

@@ -397,3 +397,21 @@ def test_score_dtype_is_a_budget_field_written_only_when_set(tmp_path):
             KascadePlan.from_dict(dict(d, score_dtype=bad))
     with pytest.raises(ValueError, match="score_dtype"):
         KascadePlan.uniform(FP, 3).with_budget(score_dtype="e4m3")
+
+
+def test_dense_tail_is_a_budget_field_written_only_when_set(tmp_path):
+    p = KascadePlan.uniform(FP, 3)
+    assert p.dense_tail == 0 and "dense_tail" not in p.to_dict()
+    tail = p.with_budget(dense_tail=32)
+    assert tail.budget.dense_tail == 32
+    d = json.loads(json.dumps(tail.to_dict()))
+    assert d["format"] == "kascade-plan/4" and d["dense_tail"] == 32
+    assert KascadePlan.from_dict(d) == tail
+    tail.save(tmp_path / "p.json")
+    assert KascadePlan.load(tmp_path / "p.json").dense_tail == 32
+    assert tail.with_budget(dense_tail=0) == p
+    for bad in (-1, 2.5, True, "32"):
+        with pytest.raises(ValueError, match="dense_tail"):
+            p.with_budget(dense_tail=bad)
+    with pytest.raises(ValueError, match="dense_tail"):
+        KascadePlan.from_dict(dict(d, dense_tail=-3))

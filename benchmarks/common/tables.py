@@ -319,6 +319,18 @@ def adaptation_table(rows: list[dict]) -> str:
                    "change of agreement per window: min / mean / max", "windows better / worse"], out)
 
 
+def needle_phases() -> str:
+    """Where the default plan loses the needle: each way's pass rate with its 95% Wilson interval."""
+    from kascade.eval.results import wilson
+
+    t = results("accuracy")["needle_phases"]
+    rows = []
+    for r in t["rows"]:
+        lo, hi = wilson(r["passed"], r["samples"])
+        rows.append([f"`{r['way']}`", r["what"], r["samples"], f"{r['passed'] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]"])
+    return _table(["way", "prefill and decode", "samples", "pass rate [95% interval]"], rows)
+
+
 def anchor_adaptation() -> str:
     """Anchors per input against anchors once per model (issue 39's item 3)."""
     return adaptation_table(results("accuracy")["anchor_adaptation"]["rows"])
@@ -436,6 +448,7 @@ BLOCKS = {
     "needle": needle,
     "mass-budgets": mass_budgets,
     "anchor-adaptation": anchor_adaptation,
+    "needle-phases": needle_phases,
     "fp8-selection": fp8_selection,
     "fp8-fidelity": fp8_fidelity,
     "fp8-speed": fp8_speed,

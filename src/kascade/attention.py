@@ -58,6 +58,8 @@ class Forward:
                 Built once, passed to every op of the pass as ``step=``.
     plan:       the plan serving the pass (a length-aware plan's sub-plan for the pass's longest sequence).
     selections: the anchors' selections so far, by layer; each is dropped once no later layer reads it.
+    tail:       in a pass of more than one query whose plan has ``dense_tail``, the step of its last
+                ``min(dense_tail, L)`` queries, which every layer attends densely (None otherwise).
     begun:      whether layer 0 has run (a later layer of a pass that never ran it is refused).
     """
 
@@ -67,6 +69,7 @@ class Forward:
     step: Step | None = None
     plan: KascadePlan | None = None
     selections: dict[int, Selection] = field(default_factory=dict)
+    tail: Step | None = None
     begun: bool = False
 
     def at_layer(self, runtime, layer: int, q, k) -> "Forward":
@@ -75,7 +78,7 @@ class Forward:
         if self.refused:
             raise ValueError(self.refused)
         if layer == 0:
-            self.step, self.plan, self.selections, self.begun = None, None, {}, False
+            self.step, self.plan, self.selections, self.tail, self.begun = None, None, {}, None, False
             runtime.begin(self, q, k)
             self.begun = True
         elif not self.begun:
@@ -136,6 +139,10 @@ class Attention:
                                           self.plan.budget)
         fwd.step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
         fwd.plan = self.plan.for_length(fwd.step.longest) if self.plan.by_length else self.plan
+        step, t = fwd.step, min(fwd.plan.dense_tail, q.shape[2])
+        if t and step.queries > 1:  # the pass's last t queries: dense in every layer
+            fwd.tail = ops.plan_step(q[:, :, -t:], k, budget=step.budget, kv_start=step.kv_start,
+                                     q_offset=step.q_offset + step.queries - t, backend=backend)
 
     def __call__(self, layer: int, q, k, v, fwd: "Forward", scale: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s attention in the forward pass ``fwd``: ``q [B, HQ, L, D]``, ``k, v [B, H, N, D]`` ->
@@ -198,12 +205,21 @@ class Attention:
             sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
         keys = reuse.layer_selection(plan, layer, sels, step, self.heads)
         if self.account:
-            self._count(layer, keys, step)
-        return ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
+            self._count(layer, keys, step, fwd.tail)
+        out = ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
+        if fwd.tail is not None:  # the pass's last queries attend every key
+            t = fwd.tail.queries
+            out[:, :, -t:] = ops.dense_attention(q[:, :, -t:], k, v, scale=scale, step=fwd.tail)
+        return out
 
-    def _count(self, layer: int, sel: Selection | None, step: Step) -> None:
-        att, dense = ops.attended_keys(sel, kv_start=step.kv_start, q_offset=step.q_offset, L=step.queries,
+    def _count(self, layer: int, sel: Selection | None, step: Step, tail: Step | None = None) -> None:
+        t = 0 if tail is None or sel is None else tail.queries
+        att, dense = ops.attended_keys(sel, kv_start=step.kv_start, q_offset=step.q_offset, L=step.queries - t,
                                        num_kv_heads=step.kv_heads)
+        if t:  # the tail's queries attend every key
+            a, d = ops.attended_keys(None, kv_start=tail.kv_start, q_offset=tail.q_offset, L=t,
+                                     num_kv_heads=step.kv_heads)
+            att, dense = att + a, dense + d
         with self._lock:
             tot = self.attended.setdefault(layer, [0, 0])
             tot[0] += att

@@ -60,6 +60,10 @@ class Budget:
     score_dtype: how the anchors' scoring passes compute the scores they rank keys by: ``None`` (in the inputs'
              dtype, exact) or ``"fp8"`` (e4m3 with a power-of-two scale per query and key vector,
              :mod:`kascade.ops.fp8`). The keys a layer attends are attended exactly either way.
+    dense_tail: in a pass of more than one query (a prefill, or a chunk of one), its last ``dense_tail`` queries
+             attend every valid key in every layer (``>= 0``; 0: none). A prompt ends with the question and the
+             chat template's turn marks; attended densely they cost one tile's dense attention per layer. Decode
+             steps (one query) are unchanged. Applied by :class:`kascade.Attention`, not by the selection ops.
     """
 
     ratio: float = 0.10
@@ -68,6 +72,7 @@ class Budget:
     rolling: bool = True
     mass: float | None = None
     score_dtype: str | None = None
+    dense_tail: int = 0
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not (0.0 <= self.ratio <= 1.0):
@@ -85,6 +90,9 @@ class Budget:
         if self.score_dtype not in (None, "fp8"):
             raise ValueError(f"score_dtype must be None (score in the inputs' dtype) or 'fp8' (e4m3 scoring), "
                              f"got {self.score_dtype!r}")
+        if isinstance(self.dense_tail, bool) or not isinstance(self.dense_tail, int) or self.dense_tail < 0:
+            raise ValueError(f"dense_tail must be an integer >= 0 (a prefill's last queries attended densely), "
+                             f"got {self.dense_tail!r}")
 
     @property
     def floor(self) -> "Budget":

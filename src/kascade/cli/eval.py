@@ -95,6 +95,10 @@ def add(sub) -> None:
                    "and key vector to e4m3 (8-bit floats) with a power-of-two scale of its own before the scores "
                    "whose pooled probabilities pick the keys; layer 0 and every attention output stay exact "
                    "(default: each plan's own: exact scores); runs on the reference backend")
+    e.add_argument("--dense-tail", type=int, default=None, metavar="TOKENS",
+                   help="in every prefill, the prompt's last TOKENS queries attend every key in every layer, for "
+                   "every strategy (the question and the chat template's turn marks; 32 is one tile); >= 0 "
+                   "(default: each plan's own, 0 for the shipped plans)")
     e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")

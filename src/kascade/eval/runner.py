@@ -206,6 +206,7 @@ class Settings:
     k_min: int | None = None
     mass: float | None = None  # a budget by attention mass, for every strategy (ratio then caps it)
     score_dtype: str | None = None  # the anchors' scoring ("fp8": FP8 scoring), for every strategy
+    dense_tail: int | None = None  # a prefill's last queries attended densely, for every strategy
     omnikv_layer: int = 2
     longbench: str | Path | None = None
     longbench_limit: int | None = None
@@ -219,7 +220,8 @@ class Settings:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for flag, value, low in (("--samples", self.samples, 1), ("--seed", self.seed, 0),
                                  ("--omnikv-layer", self.omnikv_layer, 1), ("--skip-texts", self.skip_texts, 0),
-                                 ("--k-min", self.k_min, 1), ("--longbench-limit", self.longbench_limit, 1)):
+                                 ("--k-min", self.k_min, 1), ("--longbench-limit", self.longbench_limit, 1),
+                                 ("--dense-tail", self.dense_tail, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
         r = self.ratio
@@ -269,7 +271,7 @@ class Settings:
     @property
     def budget(self) -> dict | None:
         b = {k: v for k, v in dict(ratio=self.ratio, k_min=self.k_min, mass=self.mass,
-                                   score_dtype=self.score_dtype).items() if v is not None}
+                                   score_dtype=self.score_dtype, dense_tail=self.dense_tail).items() if v is not None}
         return b or None
 
     @property
@@ -286,6 +288,7 @@ class Settings:
                  plan=self.plan if self.plan in SHIPPED_VARIANTS else _digest(self.plan), ratio=self.ratio, k_min=self.k_min,
                  **({} if self.mass is None else dict(mass=self.mass)),
                  **({} if self.score_dtype is None else dict(score_dtype=self.score_dtype)),
+                 **({} if self.dense_tail is None else dict(dense_tail=self.dense_tail)),
                  omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
         if self.data is not None:
             d.update(text_field=self.text_field, skip_texts=self.skip_texts)

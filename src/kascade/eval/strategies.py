@@ -178,7 +178,8 @@ def available(model) -> tuple[str, ...]:
 def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_layer: int = 2,
                   budget: dict | None = None, stats=None, variant_plans: dict | None = None):
     """``(plan, selector)`` for a strategy name, or ``None`` for dense. ``plan`` is the calibrated plan (default:
-    the shipped one for the model); ``budget`` overrides its ratio / k_min / tile / rolling / mass / score_dtype for
+    the shipped one for the model); ``budget`` overrides its ratio / k_min / tile / rolling / mass / score_dtype /
+    dense_tail for
     every strategy.
     ``stats`` (``{length: CalibrationStats}`` or one) and ``variant_plans`` (``{name: plan}``) serve the
     :data:`VARIANTS`; a variant's selector is None (its plan's ranked reuse selects)."""
@@ -191,7 +192,7 @@ def make_strategy(name: str, model, plan: KascadePlan | None = None, *, omnikv_l
     if budget:
         base = base.with_budget(**budget)
     b = dict(ratio=base.ratio, k_min=base.k_min, tile=base.tile, rolling=base.rolling, mass=base.mass,
-             score_dtype=base.score_dtype)
+             score_dtype=base.score_dtype, dense_tail=base.dense_tail)
     ident = (tuple(range(fp.num_kv_heads)),) * fp.num_layers
     if name in VARIANTS:
         return _variant(name, fp, base, b, stats, variant_plans)

@@ -23,7 +23,7 @@ _V2_REUSE = {"sources": "sources", "layer_scale": "factor", "sinks": "sinks", "r
 _V3_REUSE = {"scale": "factor", "sources": "sources", "sinks": "sinks", "recent": "recent"}
 _V4_REUSE = ("factor", "sources", "sinks", "recent")
 _BASE_FIELDS = {"fingerprint", "anchors", "head_map", "ratio", "k_min", "tile", "rolling", "mass", "score_dtype",
-                "calibrated", "source"}
+                "dense_tail", "calibrated", "source"}
 
 
 class _Field:
@@ -100,7 +100,8 @@ def _parse(d, where: str) -> dict:
                 for l, row in enumerate(F.list(f"{where}.head_map", d["head_map"]))]
     kw = {}
     for name, read in (("ratio", F.number), ("k_min", F.int), ("tile", F.int), ("rolling", F.bool),
-                       ("mass", F.number), ("score_dtype", F.str), ("calibrated", F.bool), ("source", F.str),
+                       ("mass", F.number), ("score_dtype", F.str), ("dense_tail", F.int), ("calibrated", F.bool),
+                       ("source", F.str),
                        ("tensor_parallel", F.int)):
         if name in d:
             kw[name] = read(f"{where}.{name}", d[name])
@@ -144,7 +145,7 @@ def _parse(d, where: str) -> dict:
 
 def to_dict(plan) -> dict:
     """``plan`` (a :class:`~kascade.plan.KascadePlan`) as a JSON-ready dict in format ``kascade-plan/4`` (``reuse``, ``by_length``,
-    ``tensor_parallel``, ``mass`` and ``score_dtype`` only when set)."""
+    ``tensor_parallel``, ``mass``, ``score_dtype`` and ``dense_tail`` only when set)."""
     d = {"format": FORMAT, "fingerprint": dataclasses.asdict(plan.fingerprint), "anchors": list(plan.anchors),
          "head_map": [list(r) for r in plan.head_map], "ratio": plan.ratio, "k_min": plan.k_min,
          "tile": plan.tile, "rolling": plan.rolling, "calibrated": plan.calibrated, "source": plan.source}
@@ -158,6 +159,8 @@ def to_dict(plan) -> dict:
         d["mass"] = plan.mass
     if plan.score_dtype is not None:
         d["score_dtype"] = plan.score_dtype
+    if plan.dense_tail:
+        d["dense_tail"] = plan.dense_tail
     return d
 
 

@@ -85,9 +85,9 @@ class KascadePlan:
     anchors:    sorted layer indices that select their own top-k keys; always contains 0 (layer 0 is dense).
     head_map:   one row per layer, ``head_map[l][h]`` = the KV head of ``anchor_of(l)`` whose index set KV head
                 ``h`` of layer ``l`` uses. Rows of anchor layers are the identity.
-    ratio, k_min, tile, rolling, mass, score_dtype: the budget (see :class:`kascade.budget.Budget`; ``mass``: rows
-                keep keys by attention mass, ``ratio`` then caps them; ``score_dtype="fp8"``: the anchors rank keys
-                by FP8 scores).
+    ratio, k_min, tile, rolling, mass, score_dtype, dense_tail: the budget (see :class:`kascade.budget.Budget`;
+                ``mass``: rows keep keys by attention mass, ``ratio`` then caps them; ``score_dtype="fp8"``: the
+                anchors rank keys by FP8 scores; ``dense_tail``: a prefill's last queries attend densely).
     calibrated: False for the uniform default that no calibration chose.
     source:     a human-readable note on where the plan came from.
     reuse:      the reuse rule (:class:`Reuse`; default: the paper's).
@@ -111,6 +111,7 @@ class KascadePlan:
     tensor_parallel: int | None = None
     mass: float | None = None
     score_dtype: str | None = None
+    dense_tail: int = 0
 
     def __post_init__(self):
         if not isinstance(self.fingerprint, ModelFingerprint):
@@ -144,7 +145,7 @@ class KascadePlan:
                 raise ValueError(f"head_map[{layer}] = {list(row)} has heads outside 0..{H - 1}")
             if layer in a and row != tuple(range(H)):
                 raise ValueError(f"head_map[{layer}] must be the identity: layer {layer} is an anchor")
-        self.budget  # validates ratio, k_min, tile, mass, score_dtype
+        self.budget  # validates ratio, k_min, tile, mass, score_dtype, dense_tail
         if self.mass is not None and (self.reuse.sources is not None or self.reuse.recent):
             raise ValueError("a budget by attention mass takes the paper's reuse or per-layer budgets (reuse.scale); "
                              "the sources and sinks + recent rules count keys by the geometry")
@@ -262,7 +263,7 @@ class KascadePlan:
     @property
     def budget(self) -> Budget:
         return Budget(ratio=self.ratio, k_min=self.k_min, tile=self.tile, rolling=self.rolling, mass=self.mass,
-                      score_dtype=self.score_dtype)
+                      score_dtype=self.score_dtype, dense_tail=self.dense_tail)
 
     @property
     def num_layers(self) -> int:
@@ -281,10 +282,11 @@ class KascadePlan:
         return found
 
     def with_budget(self, **changes) -> "KascadePlan":
-        """A copy with other budget settings (ratio, k_min, tile, rolling, mass, score_dtype)."""
-        bad = set(changes) - {"ratio", "k_min", "tile", "rolling", "mass", "score_dtype"}
+        """A copy with other budget settings (ratio, k_min, tile, rolling, mass, score_dtype, dense_tail)."""
+        bad = set(changes) - {"ratio", "k_min", "tile", "rolling", "mass", "score_dtype", "dense_tail"}
         if bad:
-            raise TypeError(f"with_budget takes ratio, k_min, tile, rolling, mass, score_dtype; got {sorted(bad)}")
+            raise TypeError(f"with_budget takes ratio, k_min, tile, rolling, mass, score_dtype, dense_tail; got "
+                            f"{sorted(bad)}")
         subs = tuple((m, dataclasses.replace(p, **changes)) for m, p in self.by_length)
         return dataclasses.replace(self, by_length=subs, **changes)
 
