@@ -156,6 +156,20 @@ def test_calibration_anchors_once_per_model_sentence():
     assert statistics.mean(prefix) < 0  # "it is worse"
 
 
+def test_calibration_needle_phases_sentences():
+    """Where the needles are lost: the prefill loses more than the decode, both together more than either, the oracle
+    none; the dense tail's paired counts on the same samples."""
+    text = _text(DOCS / "calibration.md")
+    won, lost, n = map(int, _find(r"answers (\d+) of the samples the plan missed and misses (\d+) it\s+answered, on "
+                                  r"the same (\d+) samples", text))
+    t = tables.results("accuracy")["needle_phases"]
+    rate = {r["way"]: r["passed"] / r["samples"] for r in t["rows"]}
+    assert rate["plan"] < rate["plan-prefill"] < rate["plan-decode"] and rate["oracle"] == rate["dense"] == 1
+    p = t["paired"]
+    assert (won, lost, n) == (p["plan_fails_tail_passes"], p["plan_passes_tail_fails"], p["samples"])
+    assert rate["plan-dense-tail"] < rate["dense"]  # "without closing it"
+
+
 def test_results_plan_speed_sentences():
     text = _text(DOCS / "results.md")
     (pct,) = _find(r"within (\d+)% for plans of one budget in decode", text)
