@@ -112,6 +112,8 @@ def test_refusals():
         kj.Attention(plan, backend="cuda")
     with pytest.raises(ValueError, match="serves the paper's reuse rule.*use backend='triton'"):
         kj.Attention(plan.with_reuse(factor=(1.0, 0.5, 1.0, 1.0, 1.0)))
+    with pytest.raises(ValueError, match="prefills its last 32 queries densely.*use backend='triton'"):
+        kj.Attention(plan.with_budget(dense_tail=32))
     attn = kj.Attention(plan)
     with pytest.raises(TypeError, match="fwd must be a kascade.jax.Forward"):
         attn(0, q, k, v, kascade.Forward())

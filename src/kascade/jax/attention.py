@@ -75,6 +75,10 @@ class Attention:
             what = "a length-aware plan (by_length)" if plan.by_length else f"the reuse rule {plan.reuse}"
             raise ValueError(f"kascade.jax.Attention with backend='reference' serves the paper's reuse rule (anchors "
                              f"and head map); this plan has {what}: use backend='triton' (the PyTorch runtime)")
+        if backend == "reference" and plan.dense_tail:
+            raise ValueError(f"kascade.jax.Attention with backend='reference' attends every query by the plan; this "
+                             f"plan prefills its last {plan.dense_tail} queries densely (dense_tail): use "
+                             "backend='triton' (the PyTorch runtime)")
         self.plan = plan
         self.backend = backend
         if backend == "triton":
