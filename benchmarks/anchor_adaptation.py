@@ -24,13 +24,12 @@ skips them) and summary.md under --out (default out/anchor_adaptation). CPU, fp3
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import out_folder
+from benchmarks.common import RowLog, out_folder
 from benchmarks.common.tables import adaptation_table
 from kascade import text
 from kascade.calibrate.dp import choose_anchors, layer_weights, objective, plan_from_stats
@@ -67,7 +66,7 @@ def summary(rows: list[dict], setup: dict) -> str:
     by_plan = {r["plan"]: r for r in rows}
     shares = [r["objective_share"] for r in rows if r["plan"] == "calibrated"]
     lines = [f"Anchors per input against anchors once per model: eval windows of {setup['length']} tokens, "
-             f"{setup['anchors']} anchors, the paper's rule; calibrated on {setup['dev_windows']} dev windows; prefix "
+             f"{setup['anchor_count']} anchors, the paper's rule; calibrated on {setup['dev_windows']} dev windows; prefix "
              f"{setup['prefix']} tokens. Changes are paired per window against 'calibrated'.", "",
              adaptation_table(rows), ""]
     if shares:
@@ -88,40 +87,31 @@ def main(argv=None) -> list[dict]:
     A = a.anchors or len(default.anchors)
     dev = text.windows(tok, "dev", a.length, a.dev_windows, seed=a.seed)
     evals = text.windows(tok, "eval", a.length, a.windows, seed=a.seed)
-    setup = dict(length=a.length, windows=a.windows, dev_windows=a.dev_windows, prefix=a.prefix, anchors=A,
+    setup = dict(length=a.length, windows=a.windows, dev_windows=a.dev_windows, prefix=a.prefix, anchor_count=A,
                  seed=a.seed)
-    log_path = out / "rows.jsonl"
-    done = [json.loads(x) for x in log_path.read_text().splitlines()] if log_path.exists() else []
-    done = [r for r in done if r.get("setup") == setup]
-    have = {(r["window"], r["plan"]) for r in done}
-    print(f"calibrating on {a.dev_windows} dev windows ...", flush=True)
-    calibrated = plan_from_stats(model, collect_stats(model, dev), A, ratio=default.ratio, k_min=default.k_min)
-    rows = list(done)
-    with open(log_path, "a") as log:
-        for i, w in enumerate(evals):
-            if all((i, name) in have for name in PLANS):
-                continue
-            t0 = time.perf_counter()
-            own_stats = collect_stats(model, [w], progress=False)
-            plans = {"calibrated": calibrated,
-                     "own window": plan_from_stats(model, own_stats, A, ratio=default.ratio, k_min=default.k_min),
-                     "prompt prefix": plan_from_stats(model, collect_stats(model, [w[:a.prefix]], progress=False),
-                                                      A, ratio=default.ratio, k_min=default.k_min),
-                     "shipped default": default}
-            ref = DenseReference(model, [w])
-            for name, plan in plans.items():
-                if (i, name) in have:
-                    continue
+    log = RowLog(out / "rows.jsonl", **setup)
+    todo = [i for i in range(len(evals)) if not all(log.has(window=i, plan=name) for name in PLANS)]
+    if todo:  # a rerun of a finished run calibrates nothing
+        print(f"calibrating on {a.dev_windows} dev windows ...", flush=True)
+        calibrated = plan_from_stats(model, collect_stats(model, dev), A, ratio=default.ratio, k_min=default.k_min)
+    for i in todo:
+        w = evals[i]
+        t0 = time.perf_counter()
+        own_stats = collect_stats(model, [w], progress=False)
+        plans = {"calibrated": calibrated,
+                 "own window": plan_from_stats(model, own_stats, A, ratio=default.ratio, k_min=default.k_min),
+                 "prompt prefix": plan_from_stats(model, collect_stats(model, [w[:a.prefix]], progress=False),
+                                                  A, ratio=default.ratio, k_min=default.k_min),
+                 "shipped default": default}
+        ref = DenseReference(model, [w])
+        for name, plan in plans.items():
+            if not log.has(window=i, plan=name):
                 f = pool(ref.compare(plan))
-                row = dict(setup=setup, window=i, plan=name, agreement=f.top1_agreement, kl=f.kl,
-                           anchors=list(plan.anchors),
-                           objective_share=objective_share(own_stats, plan.anchors))
-                rows.append(row)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-            print(f"window {i}: " + ", ".join(f"{r['plan']} {r['agreement']:.4f}" for r in rows
-                                              if r["window"] == i) + f" ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+                log.add(window=i, plan=name, agreement=f.top1_agreement, kl=f.kl, anchors=list(plan.anchors),
+                        objective_share=objective_share(own_stats, plan.anchors))
+        print(f"window {i}: " + ", ".join(f"{r['plan']} {r['agreement']:.4f}" for r in log.rows if r["window"] == i)
+              + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows = log.rows
     text_ = summary(rows, setup)
     (out / "summary.md").write_text(text_)
     print(text_)

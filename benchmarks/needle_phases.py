@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 
 import torch
 
-from benchmarks.common import out_folder
+from benchmarks.common import RowLog, out_folder
 from kascade import enable
 from kascade.eval import needle
 from kascade.eval.results import wilson
@@ -97,37 +96,29 @@ def summary(rows: list[dict], args) -> str:
 
 def main(argv=None) -> list[dict]:
     a = _parse(argv)
-    ways = WAYS if a.ways is None else {w: WAYS[w] for w in a.ways.split(",")} if all(
-        w in WAYS for w in a.ways.split(",")) else None
-    if ways is None:
+    names = list(WAYS) if a.ways is None else a.ways.split(",")
+    if any(w not in WAYS for w in names):
         raise SystemExit(f"--ways: choose from {', '.join(WAYS)}")
     out = out_folder(a.out, "needle_phases")
     model, tok = load_model(a.model, device="cpu", dtype=torch.float32)
     plans = {"plan": shipped_plan(model, "default")}
     plans["oracle"] = KascadePlan.all_anchors(ModelFingerprint.from_model(model), ratio=plans["plan"].ratio,
                                               k_min=plans["plan"].k_min)
-    key = dict(task=a.task, length=a.length, seed=a.seed)
-    path = out / "rows.jsonl"
-    rows = [r for r in map(json.loads, path.read_text().splitlines()) if all(r[k] == v for k, v in key.items())] \
-        if path.exists() else []
-    done = {(r["sample"], r["way"]) for r in rows}
-    with open(path, "a") as log:
-        for i in range(a.samples):
-            sample = needle.generate(a.task, tok, a.length, a.seed, i)
-            ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)
-            t0 = time.perf_counter()
-            for way, (_, pre, dec, *tail) in ways.items():
-                if (i, way) in done:
-                    continue
+    log = RowLog(out / "rows.jsonl", task=a.task, length=a.length, seed=a.seed)
+    for i in range(a.samples):
+        sample = needle.generate(a.task, tok, a.length, a.seed, i)
+        ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        t0 = time.perf_counter()
+        for way in names:
+            if not log.has(sample=i, way=way):
+                _, pre, dec, *tail = WAYS[way]
                 pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens, *tail)
-                row = dict(key, sample=i, way=way, score=needle.score(sample, pred), prediction=pred,
-                           depth=sample.meta["depth"])
-                rows.append(row)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-            print(f"sample {i}: " + ", ".join(f"{r['way']} {r['score']:g}" for r in rows if r["sample"] == i)
-                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+                log.add(sample=i, way=way, score=needle.score(sample, pred), prediction=pred,
+                        depth=sample.meta["depth"])
+        print(f"sample {i}: " + ", ".join(f"{r['way']} {r['score']:g}" for r in log.rows if r["sample"] == i)
+              + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows = log.rows
     text = summary(rows, a)
     (out / "summary.md").write_text(text)
     print(text)

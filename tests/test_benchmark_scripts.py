@@ -230,3 +230,14 @@ def test_fp8_scoring_kept_share_by_hand():
     b = torch.tensor([[[0, 2, 5, -1]], [[4, 3, -1, -1]], [[1, -1, -1, -1]]])
     for chunk in (1, 2, 2048):
         assert abs(fp8_scoring.kept_share(a, b, 6, rows_per_chunk=chunk) - (2 / 3 + 1) / 2) < 1e-6
+
+
+def test_row_log_resumes_only_the_rows_of_its_key(tmp_path):
+    from benchmarks.common import RowLog
+
+    log = RowLog(tmp_path / "rows.jsonl", length=2048, seed=0)
+    log.add(sample=0, way="dense", score=1.0)
+    RowLog(tmp_path / "rows.jsonl", length=4096, seed=0).add(sample=0, way="dense", score=0.0)
+    again = RowLog(tmp_path / "rows.jsonl", length=2048, seed=0)  # a rerun: the same key's rows, the other's left
+    assert again.rows == [dict(length=2048, seed=0, sample=0, way="dense", score=1.0)]
+    assert again.has(sample=0, way="dense") and not again.has(sample=1, way="dense")

@@ -3,6 +3,6 @@ kernel benchmarks' shapes and inputs (:mod:`.shapes`), the floor under a reuse l
 comparisons of plans (:mod:`.fidelity`), the documentation's results tables (:mod:`.tables`) and the pieces of the
 tensor-parallel benchmark (``tp_*``). Nothing here imports a script."""
 
-from .report import log, out_folder
+from .report import RowLog, log, out_folder
 
-__all__ = ["log", "out_folder"]
+__all__ = ["RowLog", "log", "out_folder"]
