@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from kascade import Budget, KascadePlan, ModelFingerprint, costs
+from kascade.eval.results import wilson
 from kascade.plan.shipped import shipped_plans
 from kascade.tensor_parallel import step_exchange_bytes
 
@@ -321,8 +322,6 @@ def adaptation_table(rows: list[dict]) -> str:
 
 def needle_phases() -> str:
     """Where the default plan loses the needle: each way's pass rate with its 95% Wilson interval."""
-    from kascade.eval.results import wilson
-
     t = results("accuracy")["needle_phases"]
     rows = []
     for r in t["rows"]:

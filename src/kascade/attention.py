@@ -139,8 +139,9 @@ class Attention:
                                           self.plan.budget)
         fwd.step = ops.plan_step(q, k, budget=self.plan.budget, kv_start=kv_start, q_offset=q_offset, backend=backend)
         fwd.plan = self.plan.for_length(fwd.step.longest) if self.plan.by_length else self.plan
-        step, t = fwd.step, min(fwd.plan.dense_tail, q.shape[2])
-        if t and step.queries > 1:  # the pass's last t queries: dense in every layer
+        step = fwd.step
+        if fwd.plan.dense_tail and step.queries > 1:  # the pass's last queries: dense in every layer
+            t = min(fwd.plan.dense_tail, step.queries)
             fwd.tail = ops.plan_step(q[:, :, -t:], k, budget=step.budget, kv_start=step.kv_start,
                                      q_offset=step.q_offset + step.queries - t, backend=backend)
 
@@ -207,7 +208,7 @@ class Attention:
         if self.account:
             self._count(layer, keys, step, fwd.tail)
         out = ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
-        if fwd.tail is not None:  # the pass's last queries attend every key
+        if fwd.tail is not None:  # the pass's last queries attend every key (over the sparse pass's rows: one tile)
             t = fwd.tail.queries
             out[:, :, -t:] = ops.dense_attention(q[:, :, -t:], k, v, scale=scale, step=fwd.tail)
         return out
