@@ -2,7 +2,6 @@
 in one process, at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128, bf16, B=1, 32K and 128K keys).
 
     python -m benchmarks.eager_decode [--out DIR] [--rounds 3] [--lengths 32768,131072] [--layers 8] [--quick]
-        [--fast-launch]
 
 (a) One attention layer of a decode step: Kascade's reuse layer and anchor layer (``kascade.Attention``'s per-layer
 call on the Triton backend, a static-cache step: the geometry on the device) against
@@ -41,8 +40,6 @@ def _parse(argv):
     p.add_argument("--decode-steps", type=int, default=32, help="generate's timed decode steps")
     p.add_argument("--no-generate", action="store_true", help="only the layer timings")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few calls: a smoke run on any machine")
-    p.add_argument("--fast-launch", action="store_true",
-                   help="launch the kernels past Triton's per-call binding (kascade.ops.triton.launch; off by default)")
     return p.parse_args(argv)
 
 
@@ -224,10 +221,6 @@ def main(argv=None) -> dict:
             raise SystemExit("eager_decode times a GPU: run it on one (or --quick for a smoke run)")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernels on CPU tensors
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.fast_launch:
-        from kascade.ops.triton import launch
-
-        launch.FAST = True
     from benchmarks.common.report import out_folder
     from kascade.bench.models import LLAMA8B, LLAMA8B_ANCHORS, TINY
 
@@ -247,8 +240,7 @@ def main(argv=None) -> dict:
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (Triton interpreter)"
     env = f"{where}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     result = {"environment": env, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "setup": {"lengths": lengths, "calls": calls, "rounds": rounds, "layers": layers, "quick": quick,
-                        "fast_launch": args.fast_launch},
+              "setup": {"lengths": lengths, "calls": calls, "rounds": rounds, "layers": layers, "quick": quick},
               "layers": [], "generate": []}
     t0 = time.perf_counter()
     layer_shapes = {**shapes, "num_hidden_layers": 32 if not quick else shapes["num_hidden_layers"]}

@@ -164,6 +164,25 @@ def generate(card: str) -> str:
                    "time to first token, dense -> Kascade", "speedup"], rows)
 
 
+def eager_decode(card: str) -> str:
+    """One attention layer of an eager decode step (host time, back-to-back calls, CUDA-graph replay) and eager
+    ``generate``'s inter-token latency, dense against Kascade, at batch 1 (``benchmarks.eager_decode``)."""
+    t = results(card)["eager_decode"]
+    calls = [("dense (SDPA)", "dense (SDPA)"), ("dense (transformers' SDPA function)", "dense (transformers' SDPA)"),
+             ("reuse", "Kascade reuse layer"), ("anchor", "Kascade anchor layer")]
+    rows = []
+    for r in t["layers"]:
+        for i, (key, name) in enumerate(calls):
+            m = r[key]
+            rows.append([_n(r["keys"]) if i == 0 else "", name, f"{m['host_us']:.0f}", f"{m['back_to_back_us']:.0f}",
+                         f"{m['graph_us']:.0f}"])
+    gen = [[_n(g["keys"]), f"{g['layers']} ({', '.join(map(str, g['anchors']))})", f"{g['dense_itl_ms']:.2f}",
+            f"{g['kascade_itl_ms']:.2f}", _x(g["dense_itl_ms"] / g["kascade_itl_ms"])] for g in t["generate"]]
+    return (_table(["keys", "call (one layer, B=1)", "host us", "back to back us", "CUDA graph us"], rows) + "\n\n"
+            + _table(["keys", "eager `generate`: layers (anchors)", "ms per token, dense", "ms per token, Kascade",
+                      "speedup"], gen))
+
+
 def jax() -> str:
     j = results("h200")["jax"]
     rows = []
@@ -330,6 +349,28 @@ def needle_phases() -> str:
     return _table(["way", "prefill and decode", "samples", "pass rate [95% interval]"], rows)
 
 
+def retrieval_plan() -> str:
+    """The shipped "retrieval" plan against the default: held-out fidelity, needles answered (paired), and the
+    diagnosis that led to it (which reuse layers, selecting their own keys, bring the needle back)."""
+    t = results("accuracy")["retrieval_plan"]
+    rows = [[f"agreement / KL, {_n(r['length'])} ({r['windows']} held-out windows, CPU)",
+             *(f"{r[p]['agreement']:.3f} / {r[p]['kl']:.3f}" for p in ("default", "retrieval")), ""]
+            for r in t["fidelity"]["rows"]]
+    for r in t["needle"]:
+        where = "H100, Triton" if "H100" in r["machine"] else "CPU, reference"
+        cells = []
+        for p in ("default", "retrieval"):
+            lo, hi = wilson(r[p], r["samples"])
+            cells.append(f"{r[p] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]")
+        rows.append([f"{r['task']} {_n(r['length'])}, {r['samples']} samples ({where})", *cells,
+                     f"{r['retrieval_only']} / {r['default_only']}"])
+    d = t["diagnosis"]
+    diag = [[r["selecting"], f"{r['passed']} of {d['samples']}"] for r in d["rows"]]
+    return (_table(["measure", "default", "retrieval", "answered by one plan only: retrieval / default"], rows)
+            + "\n\n" + _table(["reuse layers that select their own keys (needle_passkey 2K, CPU)", "answered"],
+                                diag))
+
+
 def anchor_adaptation() -> str:
     """Anchors per input against anchors once per model (issue 39's item 3)."""
     return adaptation_table(results("accuracy")["anchor_adaptation"]["rows"])
@@ -438,6 +479,7 @@ BLOCKS = {
     "kernels": kernels,
     "bench": bench,
     "generate": generate,
+    "eager-decode": eager_decode,
     "jax": jax,
     "cost-model": cost_model,
     "named-plans": named_plans,
@@ -448,6 +490,7 @@ BLOCKS = {
     "mass-budgets": mass_budgets,
     "anchor-adaptation": anchor_adaptation,
     "needle-phases": needle_phases,
+    "retrieval-plan": retrieval_plan,
     "fp8-selection": fp8_selection,
     "fp8-fidelity": fp8_fidelity,
     "fp8-speed": fp8_speed,

@@ -46,7 +46,6 @@ from ..step import decode_meta
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
 from .fp8 import fp8_mma, fp8_operand as _fp8_operand, quantize
-from .launch import launch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,15 +346,6 @@ class _Plan:
     sc: int  # offset of Sc
     pooled: int  # offset of Pooled
     size: int  # elements of the scratch
-    variants: dict = field(default_factory=dict, compare=False)  # (page, merge) -> the launch's keywords
-
-    def launch_consts(self, page: int, merge: bool) -> dict:
-        """The kernel's keywords for a page size and merge mode: one dict per variant, kept (it names the
-        configuration of a fast launch, :mod:`.launch`)."""
-        c = self.variants.get((page, merge))
-        if c is None:
-            c = self.variants[(page, merge)] = dict(self.consts, PAGE=page, MERGE=merge)
-        return c
 
 
 def _merge_block(S: int, D: int) -> int:
@@ -471,8 +461,7 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     os_ = out.stride() if out is not None else (0, 0)
     assert (fp8 is not None) == (q.dtype == torch.float8_e4m3fn) and (fp8 is None or not (has_v or paged))
     sq, sk = fp8 if fp8 is not None else (ws, ws)
-    consts = p.launch_consts(max(page, 1), fused)
-    launch(_split_kernel, (p.S, H, B), (
+    _split_kernel[(p.S, H, B)](
         q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
         meta.tensor if meta is not None else ws, block_table if paged else ws, out if out is not None else ws, ws,
         done, Sc, Hist, sq, sk,
@@ -480,7 +469,8 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
         n_keys, p.per, sc_row, scale * LOG2E, *(sk.stride()[:2] if fp8 is not None else (0, 0)),
-    ), consts)
+        PAGE=max(page, 1), MERGE=fused, **p.consts,
+    )
     if merged and not fused:
         c = p.consts
         _merge_kernel[(H * G, B)](out, ws, p.S, os_[0], os_[1], H=H, G=G, D=D, SB=c["SB"], RNE=c["RNE"],

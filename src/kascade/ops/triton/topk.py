@@ -18,7 +18,6 @@ Kernels and launchers only: they assert, they do not validate.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, next_power_of_2
-from .launch import config, launch
 
 # Radix selection on the bit pattern of the (non-negative) fp32 values (pooled probabilities). The first
 # histogram counts the exponent and the top FIRST_BITS mantissa bits, relative to an upper bound of the k-th largest
@@ -333,23 +331,11 @@ def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H,
     (``KMAX`` slots) into ``out``, a 3-d view whose last dim is contiguous: row ``r`` at ``out[r // out_rows,
     r % out_rows]``."""
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
-    *levels, write = _radix_configs(H, ch, next_power_of_2(C), paged)
-    for c in levels:
-        launch(_radix_kernel, (C, rows), (vals, meta, Hist, State, Cnt, sc_row, C, mass), c)
-    launch(_write_kernel, (C, rows), (vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0),
-                                      out.stride(1)), write)
-
-
-@functools.lru_cache(maxsize=256)
-def _radix_configs(H: int, ch: int, c_pad: int, paged: bool) -> tuple:
-    """The constexprs of the refining passes (levels 2-5) and of the write, one dict each (:func:`.launch.launch`)."""
-    return (*(config(H=H, CH=ch, NHIST=NHIST, LEVEL=level) for level in (2, 3, 4, 5)),
-            config(H=H, CH=ch, C_PAD=c_pad, PAGED=paged))
-
-
-@functools.lru_cache(maxsize=256)
-def _pool_config(H: int, G: int, S: int, ch: int, radix: bool) -> dict:
-    return config(H=H, G=G, GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST, HIST=radix)
+    for level in (2, 3, 4, 5):
+        _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
+                                 LEVEL=level)
+    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1),
+                             H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged)
 
 
 def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -373,8 +359,9 @@ def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None
     Pooled = pooled if pooled is not None else torch.empty(rows * sc_row, dtype=torch.float32, device=dev)
     State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
-    launch(_pool_kernel, (C, rows), (Sc, Stats, meta.tensor, Pooled, Hist, State, sc_row, S),
-           _pool_config(H, G, S, ch, radix))
+    _pool_kernel[(C, rows)](Sc, Stats, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
+                            GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST,
+                            HIST=radix)
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
@@ -416,7 +403,7 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     C = cdiv(W, ch)
     bound = float(mass or 0.0)
     State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
-    launch(_hist_kernel, (C, R), (vals, meta, hist, State, W, bound), config(CH=ch, NHIST=NHIST))
+    _hist_kernel[(C, R)](vals, meta, hist, State, W, bound, CH=ch, NHIST=NHIST)
     _radix_passes(vals, meta, hist, State, bound, out, out_rows, W, R, 1, ch, C, kc, False)
 
 
