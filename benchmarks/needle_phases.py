@@ -6,7 +6,8 @@ prefill / plan decode, the oracle (every layer selects its own keys) in both pha
 last 32 tokens (one tile: the question's end and the chat template's turn marks) prefilled densely after the rest.
 The pass rate of each, with 95% Wilson intervals, says which phase the default plan's misses come from.
 
-    python -m benchmarks.needle_phases [--task needle_passkey] [--length 2048] [--samples 40] [--out DIR]
+    python -m benchmarks.needle_phases [--task needle_passkey] [--length 2048] [--samples 40] [--plan NAME|FILE]
+        [--out DIR]
 
 Writes rows.jsonl (one line per sample and way, appended as they finish; a rerun skips them) and summary.md under
 --out (default out/needle_phases). CPU, fp32, the reference backend.
@@ -25,7 +26,7 @@ from kascade import enable
 from kascade.eval import needle
 from kascade.eval.results import wilson
 from kascade.models import load_model
-from kascade.plan import KascadePlan, ModelFingerprint, shipped_plan
+from kascade.plan import KascadePlan, ModelFingerprint, resolve_plan
 
 WAYS = {  # name: (what it is, the prefill's plan, the decode's plan[, prompt tokens prefilled densely at the end])
     "dense": ("dense", None, None),
@@ -46,6 +47,8 @@ def _parse(argv):
     p.add_argument("--ways", default=None,
                    help="comma list of the ways to run (default: all): " + ", ".join(WAYS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan", default="default",
+                   help="the plan of the plan ways: a shipped plan's name or a plan file (default: default)")
     p.add_argument("--model", default=None, help="GGUF or Hugging Face folder (default: the embedded model)")
     p.add_argument("--out", default=None, help="output folder (default out/needle_phases)")
     return p.parse_args(argv)
@@ -83,7 +86,8 @@ def answer(model, tok, ids: dict, prefill, decode, max_new: int, tail: int = 0) 
 
 
 def summary(rows: list[dict], args) -> str:
-    lines = [f"{args.task}, {args.length} tokens, greedy, reference backend; pass rate [95% Wilson interval]", "",
+    lines = [f"{args.task}, {args.length} tokens, plan {args.plan}, greedy, reference backend; pass rate [95% Wilson "
+             "interval]", "",
              "| way | what | samples | passed | pass rate |", "|---|---|---|---|---|"]
     for way, (what, *_) in WAYS.items():
         rs = [r for r in rows if r["way"] == way]
@@ -101,10 +105,10 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"--ways: choose from {', '.join(WAYS)}")
     out = out_folder(a.out, "needle_phases")
     model, tok = load_model(a.model, device="cpu", dtype=torch.float32)
-    plans = {"plan": shipped_plan(model, "default")}
+    plans = {"plan": resolve_plan(a.plan, model)}
     plans["oracle"] = KascadePlan.all_anchors(ModelFingerprint.from_model(model), ratio=plans["plan"].ratio,
                                               k_min=plans["plan"].k_min)
-    log = RowLog(out / "rows.jsonl", task=a.task, length=a.length, seed=a.seed)
+    log = RowLog(out / "rows.jsonl", task=a.task, length=a.length, seed=a.seed, plan=a.plan)
     for i in range(a.samples):
         sample = needle.generate(a.task, tok, a.length, a.seed, i)
         ids = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,

@@ -170,6 +170,29 @@ def test_calibration_needle_phases_sentences():
     assert rate["plan-dense-tail"] < rate["dense"]  # "without closing it"
 
 
+def test_calibration_retrieval_plan_sentences():
+    """The "retrieval" plan: the diagnosis's best run is layers 3-11 (the default's reuse layers of anchor 2); the
+    shipped plan is the default with anchor 1 moved into them, at the same budgets and attended fraction; it is closer
+    to dense on every held-out row and answers more needles on every paired row."""
+    text = _prose(_text(DOCS / "calibration.md"))
+    _find(r"when the run is layers 3-11, the nine\s+layers that reuse layer 2's keys in the default", text)
+    _find(r"moves the default's anchor at layer 1 to layer 7", text)
+    t = tables.results("accuracy")["retrieval_plan"]
+    best = max(t["diagnosis"]["rows"], key=lambda r: r["passed"])
+    assert best["selecting"] == "layers 3-11" and best["passed"] > t["diagnosis"]["rows"][0]["passed"]
+    default, retrieval = tables._shipped("default"), tables._shipped("retrieval")
+    assert [a for a in default.anchors if a not in retrieval.anchors] == [1]
+    assert [a for a in retrieval.anchors if a not in default.anchors] == [7]
+    assert default.anchor_of(2) == 2 and all(default.anchor_of(l) == 2 for l in range(3, 12))
+    assert retrieval.budget == default.budget and retrieval.reuse == default.reuse
+    for r in t["fidelity"]["rows"]:
+        assert r["retrieval"]["attended"] == r["default"]["attended"]
+        assert r["retrieval"]["agreement"] > r["default"]["agreement"] and r["retrieval"]["kl"] < r["default"]["kl"]
+    for r in t["needle"]:
+        assert r["retrieval"] - r["default"] == r["retrieval_only"] - r["default_only"]  # paired counts add up
+        assert r["retrieval_only"] > r["default_only"]
+
+
 def test_results_plan_speed_sentences():
     text = _text(DOCS / "results.md")
     (pct,) = _find(r"within (\d+)% for plans of one budget in decode", text)
