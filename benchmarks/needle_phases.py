@@ -3,7 +3,8 @@
 Each needle sample is answered greedily six ways, the prompt's prefill and the answer's decode steps each dense or
 under a plan: dense / dense, plan / plan (what ``kascade eval`` measures), plan prefill / dense decode, dense
 prefill / plan decode, the oracle (every layer selects its own keys) in both phases, and the plan with the prompt's
-last 32 tokens (one tile: the question's end and the chat template's turn marks) prefilled densely after the rest.
+last 32 tokens (one tile: the question's end and the chat template's turn marks) attended densely in every layer
+(``Budget.dense_tail=32``).
 The pass rate of each, with 95% Wilson intervals, says which phase the default plan's misses come from.
 
     python -m benchmarks.needle_phases [--task needle_passkey] [--length 2048] [--samples 40] [--plan NAME|FILE]
@@ -28,13 +29,13 @@ from kascade.eval.results import wilson
 from kascade.models import load_model
 from kascade.plan import KascadePlan, ModelFingerprint, resolve_plan
 
-WAYS = {  # name: (what it is, the prefill's plan, the decode's plan[, prompt tokens prefilled densely at the end])
+WAYS = {  # name: (what it is, the prefill's plan, the decode's plan)
     "dense": ("dense", None, None),
     "plan": ("the plan (prefill and decode)", "plan", "plan"),
     "plan-prefill": ("the plan's prefill, dense decode", "plan", None),
     "plan-decode": ("dense prefill, the plan's decode", None, "plan"),
     "oracle": ("every layer selects (prefill and decode)", "oracle", "oracle"),
-    "plan-dense-tail": ("the plan, the prompt's last 32 tokens prefilled densely", "plan", "plan", 32),
+    "plan-dense-tail": ("the plan, the prompt's last 32 tokens prefilled densely", "plan-dense-tail", "plan"),
 }
 
 
@@ -55,21 +56,16 @@ def _parse(argv):
 
 
 @torch.no_grad()
-def answer(model, tok, ids: dict, prefill, decode, max_new: int, tail: int = 0) -> str:
+def answer(model, tok, ids: dict, prefill, decode, max_new: int) -> str:
     """Greedy answer with the prompt's prefill under ``prefill`` and each decode step under ``decode`` (plans, or
-    None for dense); with ``tail``, the prompt's last ``tail`` tokens are prefilled densely after the rest (a second
-    chunk over the first one's cache)."""
+    None for dense)."""
     def phase(plan):
         return (contextlib.nullcontext() if plan is None
                 else enable(model, plan, backend="reference", warn_uncalibrated=False))
 
-    ids_, mask = ids["input_ids"], ids["attention_mask"]
+    mask = ids["attention_mask"]
     with phase(prefill):
-        out = model(input_ids=ids_[:, :ids_.shape[1] - tail], attention_mask=mask[:, :mask.shape[1] - tail],
-                    use_cache=True)
-    if tail:
-        out = model(input_ids=ids_[:, -tail:], attention_mask=mask, past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(input_ids=ids["input_ids"], attention_mask=mask, use_cache=True)
     cache = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [nxt]
@@ -106,6 +102,7 @@ def main(argv=None) -> list[dict]:
     out = out_folder(a.out, "needle_phases")
     model, tok = load_model(a.model, device="cpu", dtype=torch.float32)
     plans = {"plan": resolve_plan(a.plan, model)}
+    plans["plan-dense-tail"] = plans["plan"].with_budget(dense_tail=32)  # Budget.dense_tail: one tile
     plans["oracle"] = KascadePlan.all_anchors(ModelFingerprint.from_model(model), ratio=plans["plan"].ratio,
                                               k_min=plans["plan"].k_min)
     log = RowLog(out / "rows.jsonl", task=a.task, length=a.length, seed=a.seed, plan=a.plan)
@@ -116,8 +113,8 @@ def main(argv=None) -> list[dict]:
         t0 = time.perf_counter()
         for way in names:
             if not log.has(sample=i, way=way):
-                _, pre, dec, *tail = WAYS[way]
-                pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens, *tail)
+                _, pre, dec = WAYS[way]
+                pred = answer(model, tok, dict(ids), plans.get(pre), plans.get(dec), sample.max_new_tokens)
                 log.add(sample=i, way=way, score=needle.score(sample, pred), prediction=pred,
                         depth=sample.meta["depth"])
         print(f"sample {i}: " + ", ".join(f"{r['way']} {r['score']:g}" for r in log.rows if r["sample"] == i)
