@@ -43,7 +43,7 @@ def main(argv=None):
             t0, passed = time.perf_counter(), 0
             for i in range(n):
                 s = needle.generate(task, tok, length, a.seed, i, form=form)
-                pred, _, _, secs, n_tok = sess.generate("dense", s)
+                pred, _, _, secs, n_tok, _ = sess.generate("dense", s)
                 sc = needle.score(s, pred)
                 passed += sc == 1
                 log.write(json.dumps(dict(task=task, form=form, length=length, sample=i, depth=s.meta["depth"],

@@ -84,6 +84,9 @@ def _longbench(path, answers):
     (["--longbench-limit", "2"], "--longbench-limit applies to --longbench"),
     (["--omnikv-layer", "4", "--strategies", "omnikv"], "omnikv_layer must be in 1..3, got 4"),
     (["--strategies", "kascade-faithful"], "no shipped 'faithful' plan for this model"),
+    (["--batch-size", "0"], "argument --batch-size: must be a positive integer, got '0'"),
+    (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+    (["--backend", "triton"], "--backend triton cannot run strategy streamingllm: backend='triton' supports head dims"),
 ])
 def test_bad_arguments_are_refused_in_one_line_before_any_work(tmp_path, tiny, capsys, argv, message):
     err = _error("eval", [*FAST, "--out", str(tmp_path / "out"), *argv], capsys)
@@ -353,6 +356,48 @@ def test_needle_passkey_end_to_end_on_the_tiny_model(tmp_path, chat_tiny, capsys
     assert re.search(r"\| needle_passkey \| 300 \| 3 \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \| \d\.\d{3} \[", printed)
 
 
+def test_batched_answers_are_the_answers_of_one_sample_at_a_time(tmp_path, chat_tiny, capsys):
+    """--batch-size answers the samples of a task and length in left-padded batches: the same predictions, scores
+    and prompt lengths as one at a time (fp32 reference), each row saying its batch; the folder records the batch
+    size, so a run of another size is not mixed into it."""
+    argv = ["eval", "--strategies", "dense,oracle,streamingllm", "--tasks", "needle_passkey,needle_fact",
+            "--lengths", "300", "--samples", "3", "--k-min", "8", "--ratio", "0.25"]
+    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "three"), "--batch-size", "3"]) == 0
+    one, three = _rows(tmp_path / "one"), _rows(tmp_path / "three")
+    key = lambda r: (r["task"], r["sample"], r["strategy"])  # noqa: E731
+    assert sorted(map(key, one)) == sorted(map(key, three)) and len(one) == 18
+    by = {key(r): r for r in one}
+    for r in three:
+        alone = by[key(r)]
+        assert (r["prediction"], r["score"], r["prompt_tokens"]) == \
+            (alone["prediction"], alone["score"], alone["prompt_tokens"]), key(r)
+        assert r["batch"] == 3 and "batch" not in alone
+        assert r.get("backend") == alone.get("backend") == (None if r["strategy"] == "dense" else "reference")
+    assert json.loads((tmp_path / "three" / "run.json").read_text())["batch_size"] == 3
+    assert "batch_size" not in json.loads((tmp_path / "one" / "run.json").read_text())
+    capsys.readouterr()
+    err = _error("eval", [*argv[1:], "--out", str(tmp_path / "three")], capsys)
+    assert "batch_size" in err, err
+
+
+def test_a_left_padded_batch_answers_each_prompt_as_alone(chat_tiny):
+    """Session.generate_batch on prompts of three lengths (two of them padded) gives each one's answer alone, cut at
+    its own max_new_tokens and end of text."""
+    from kascade.eval import needle, runner
+
+    model, tok = chat_tiny.load()
+    samples = [needle.generate(t, tok, n, 0, i) for t, n, i in
+               (("needle_passkey", 300, 0), ("needle_fact", 270, 1), ("needle_multikey", 256, 2))]
+    sess = runner.Session(model, tok, ["dense", "oracle"], budget=dict(k_min=8, ratio=0.25))
+    for name in ("dense", "oracle"):
+        batch = sess.generate_batch(name, samples)
+        assert len({b[4] for b in batch}) == 3  # three prompt lengths
+        for s, b in zip(samples, batch):
+            alone = sess.generate(name, s)
+            assert (b[0], b[4], b[5]) == (alone[0], alone[4], alone[5])
+
+
 def test_the_needle_tasks_run_their_default_sample_count_and_resume(tmp_path, chat_tiny, monkeypatch, capsys):
     """Without --samples a needle task runs needle.SAMPLES samples per length (the other tasks keep theirs); the
     answers here are stubbed (the dense answer is right, the sparse one right on even samples only)."""
@@ -363,7 +408,7 @@ def test_the_needle_tasks_run_their_default_sample_count_and_resume(tmp_path, ch
     def stub(self, name, sample, ids=None):
         answered.append((name, sample.meta["index"]))
         right = name == "dense" or sample.meta["index"] % 2 == 0
-        return (sample.answers[0] if right else "no idea"), 1.0, {}, 0.0, 300
+        return (sample.answers[0] if right else "no idea"), 1.0, {}, 0.0, 300, None
 
     monkeypatch.setattr(runner.Session, "generate", stub)
     out = tmp_path / "ev"

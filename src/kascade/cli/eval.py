@@ -99,6 +99,16 @@ def add(sub) -> None:
                    help="in every prefill, the prompt's last TOKENS queries attend every key in every layer, for "
                    "every strategy (the question and the chat template's turn marks; 32 is one tile); >= 0 "
                    "(default: each plan's own, 0 for the shipped plans)")
+    e.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
+                   help="Kascade's implementation for every strategy: auto (the Triton kernels on CUDA where they "
+                   "serve the model and the budget, else the PyTorch reference), reference (the specification, any "
+                   "device) or triton (refused before the weights are read where it cannot run); each generated row "
+                   "records the one that ran (default: auto)")
+    e.add_argument("--batch-size", type=positive(), default=1, metavar="N",
+                   help="answer up to N generated samples of one task and length at once, left-padded in one batch "
+                   "(much faster on a GPU, where one sample's decoding waits on the host); each answer is the one "
+                   "the sample gets alone, up to the rounding of the batch's arithmetic (bf16 on a GPU), and a "
+                   "row's attended fraction is its batch's (default: 1)")
     e.add_argument("--omnikv-layer", type=positive(), default=2,
                    help="the layer whose selection the omnikv strategy reuses in every later layer; below the "
                    "model's layer count (default: 2)")

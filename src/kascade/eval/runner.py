@@ -21,7 +21,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .. import models, text
+from .. import models, ops, text
 from ..fidelity import DenseReference
 from ..files import output_folder
 from ..integration.hf import enable
@@ -45,6 +45,21 @@ def samples_of(task: str, samples: int | None) -> int:
     return needle.SAMPLES if task in needle.TASKS else SAMPLES
 
 
+def _ids(x) -> list[int]:
+    return [] if x is None else [int(x)] if isinstance(x, int) else [int(t) for t in x]
+
+
+def _left_padded(ids: list[dict], pad: int) -> dict:
+    """Single-prompt encodings (``{input_ids, attention_mask}``, ``[1, n]`` each) as one left-padded batch."""
+    if len(ids) == 1:
+        return ids[0]
+    n = max(i["input_ids"].shape[1] for i in ids)
+    rows = [torch.nn.functional.pad(i["input_ids"], (n - i["input_ids"].shape[1], 0), value=pad) for i in ids]
+    masks = [torch.nn.functional.pad(i["attention_mask"], (n - i["attention_mask"].shape[1], 0), value=0)
+             for i in ids]
+    return dict(input_ids=torch.cat(rows), attention_mask=torch.cat(masks))
+
+
 def _attended_fraction(runtime) -> tuple[float, dict[int, float]]:
     if runtime is None:
         return 1.0, {}
@@ -57,7 +72,7 @@ def _attended_fraction(runtime) -> tuple[float, dict[int, float]]:
 class Session:
     """One model and its strategies; runs samples under each strategy and keeps the budget accounting."""
 
-    def __init__(self, model, tok, strategies, plan=None, budget=None, omnikv_layer=2, backend="reference"):
+    def __init__(self, model, tok, strategies, plan=None, budget=None, omnikv_layer=2, backend="auto"):
         self.model, self.tok, self.backend = model, tok, backend
         self.strategies = {s: make_strategy(s, model, plan, omnikv_layer=omnikv_layer, budget=budget)
                            for s in strategies}
@@ -79,20 +94,40 @@ class Session:
 
     @torch.no_grad()
     def generate(self, name: str, sample: ruler.Sample, ids: dict | None = None):
-        """``(prediction, attended fraction, per layer, seconds, prompt tokens)`` of ``sample`` under ``name``."""
-        ids = self.prompt(sample) if ids is None else ids
+        """``(prediction, attended fraction, per layer, seconds, prompt tokens, backend)`` of ``sample`` under
+        ``name``."""
+        ((pred, n_tok),), frac, per_layer, secs, backend = self._generate(name, [sample], [ids])
+        return pred, frac, per_layer, secs, n_tok, backend
+
+    @torch.no_grad()
+    def generate_batch(self, name: str, samples: list) -> list[tuple]:
+        """:meth:`generate` of each of ``samples`` in one left-padded batch (one ``generate`` call): the attended
+        fraction is the batch's (padding not counted) and the seconds the batch's share per sample."""
+        preds, frac, per_layer, secs, backend = self._generate(name, samples, [None] * len(samples))
+        return [(pred, frac, per_layer, secs / len(samples), n_tok, backend) for pred, n_tok in preds]
+
+    def _generate(self, name, samples, ids):
+        ids = [self.prompt(s) if i is None else i for s, i in zip(samples, ids)]
+        batch = _left_padded(ids, self.tok.pad_token_id)
         handle = self._ctx(name)
         t0 = time.perf_counter()
         try:
-            out = self.model.generate(**ids, max_new_tokens=sample.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tok.pad_token_id)
+            out = self.model.generate(**batch, max_new_tokens=max(s.max_new_tokens for s in samples),
+                                      do_sample=False, pad_token_id=self.tok.pad_token_id)
         finally:
             if handle is not None:
                 handle.disable()
-        pred = self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True,
-                               clean_up_tokenization_spaces=False)
+        secs = time.perf_counter() - t0
+        L = batch["input_ids"].shape[1]
+        stops = set(_ids(self.model.generation_config.eos_token_id)) | set(_ids(self.tok.eos_token_id))
+        preds = []
+        for b, s in enumerate(samples):
+            new = out[b, L:L + s.max_new_tokens].tolist()
+            end = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))  # a batch pads after the end
+            preds.append((self.tok.decode(new[:end], skip_special_tokens=True, clean_up_tokenization_spaces=False),
+                          ids[b]["input_ids"].shape[1]))
         frac, per_layer = _attended_fraction(handle.runtime if handle else None)
-        return pred, frac, per_layer, time.perf_counter() - t0, ids["input_ids"].shape[1]
+        return preds, frac, per_layer, secs, handle.runtime.backend if handle else None
 
     def fidelity(self, window: torch.Tensor, names=None):
         """Per strategy (``names``, default all): top-1 agreement and KL vs dense, and NLL of the true next tokens
@@ -112,78 +147,105 @@ class Session:
         return res
 
 
-def _job(sess, tok, task, L, i, *, strategies, samples, seed, lb, done, windows, fid_windows) -> list[dict]:
-    """The rows of one sample (every strategy not in ``done``): fidelity on a window, or a generated answer."""
+def _job(sess, tok, task, L, idx, *, strategies, samples, seed, lb, done, windows, fid_windows) -> list[dict]:
+    """The rows of the samples ``idx`` of one task and length (every strategy not in ``done``): fidelity on a
+    window, or generated answers (several samples: one left-padded batch per strategy)."""
     new = []
     if task == FIDELITY:
-        names = [s for s in strategies if (s, task, L, i) not in done]
-        if names:
-            if L not in fid_windows:
-                fid_windows[L] = (windows[L] if windows
-                                  else text.windows(tok, "eval", L, samples_of(FIDELITY, samples), seed=seed))
-            for name, r in sess.fidelity(fid_windows[L][i], names).items():
-                new.append(dict(strategy=name, task=task, length=L, sample=i, score=r["agreement"], **r))
+        for i in idx:
+            names = [s for s in strategies if (s, task, L, i) not in done]
+            if names:
+                if L not in fid_windows:
+                    fid_windows[L] = (windows[L] if windows
+                                      else text.windows(tok, "eval", L, samples_of(FIDELITY, samples), seed=seed))
+                for name, r in sess.fidelity(fid_windows[L][i], names).items():
+                    new.append(dict(strategy=name, task=task, length=L, sample=i, score=r["agreement"], **r))
         return new
     if task == "longbench":
-        sample = lb[i]
-        ids = sess.prompt(sample)
-        length = ids["input_ids"].shape[1]
+        (i,) = idx
+        made = {i: lb[i]}
+        ids = {i: sess.prompt(lb[i])}
+        length = {i: ids[i]["input_ids"].shape[1]}
     else:
-        if all((s, task, L, i) in done for s in strategies):
-            return new
-        if task in needle.TASKS:
-            sample = needle.generate(task, tok, L, seed, i)
-        else:
-            sample = ruler.generate(task, tok, L, seed * 1000 + i)
-        ids, length = None, L
+        idx = [i for i in idx if not all((s, task, L, i) in done for s in strategies)]
+        made = {i: needle.generate(task, tok, L, seed, i) if task in needle.TASKS
+                else ruler.generate(task, tok, L, seed * 1000 + i) for i in idx}
+        ids = {i: None for i in idx}
+        length = {i: L for i in idx}
     for name in strategies:
-        if (name, sample.task, length, i) in done:
+        todo = [i for i in made if (name, made[i].task, length[i], i) not in done]
+        if not todo:
             continue
-        pred, frac, per_layer, secs, n_tok = sess.generate(name, sample, ids)
-        if task == "longbench":
-            sc = longbench.score(sample.meta["dataset"], pred, sample.answers)
-        elif task in needle.TASKS:
-            sc = needle.score(sample, pred)
+        if len(todo) == 1:
+            answers = [sess.generate(name, made[todo[0]], ids[todo[0]])]
         else:
-            sc = ruler.string_match_all(pred, sample.answers)
-        row = dict(strategy=name, task=sample.task, length=length, sample=i, score=sc, attended_fraction=frac,
-                   attended_per_layer=per_layer, prediction=pred, answers=sample.answers, prompt_tokens=n_tok,
-                   seconds=secs)
-        if task in needle.TASKS:
-            row.update(depth=sample.meta["depth"], depths=sample.meta["depths"])
-        new.append(row)
+            answers = sess.generate_batch(name, [made[i] for i in todo])
+        for i, (pred, frac, per_layer, secs, n_tok, backend) in zip(todo, answers):
+            sample = made[i]
+            if task == "longbench":
+                sc = longbench.score(sample.meta["dataset"], pred, sample.answers)
+            elif task in needle.TASKS:
+                sc = needle.score(sample, pred)
+            else:
+                sc = ruler.string_match_all(pred, sample.answers)
+            row = dict(strategy=name, task=sample.task, length=length[i], sample=i, score=sc,
+                       attended_fraction=frac, attended_per_layer=per_layer, prediction=pred,
+                       answers=sample.answers, prompt_tokens=n_tok, seconds=secs,
+                       **({} if backend is None else dict(backend=backend)),
+                       **({} if len(todo) == 1 else dict(batch=len(todo))))
+            if task in needle.TASKS:
+                row.update(depth=sample.meta["depth"], depths=sample.meta["depths"])
+            new.append(row)
     return new
 
 
+def _batches(jobs: list[tuple], size: int) -> list[tuple]:
+    """``(task, length, [samples])``: runs of up to ``size`` consecutive samples of one generated task and length
+    (fidelity windows and LongBench records one at a time)."""
+    out = []
+    for task, L, i in jobs:
+        last = out[-1] if out else None
+        if (last is not None and last[:2] == (task, L) and len(last[2]) < size
+                and task not in (FIDELITY, "longbench")):
+            last[2].append(i)
+        else:
+            out.append((task, L, [i]))
+    return out
+
+
 def run(model, tok, *, strategies, tasks, lengths, samples, seed=0, plan=None, budget=None, longbench_file=None,
-        longbench_limit=None, omnikv_layer=2, progress=True, windows=None, results: "Results | None" = None
-        ) -> list[dict]:
+        longbench_limit=None, omnikv_layer=2, progress=True, windows=None, results: "Results | None" = None,
+        backend: str = "auto", batch_size: int = 1) -> list[dict]:
     """All (strategy, task, length, sample) rows; ``samples`` per task and length (None: each task's default,
     :func:`samples_of`).
 
     ``windows`` (``{length: [1-D token tensors]}``, the fidelity task's samples per length) are its text; default:
     windows of the evaluation split of pydoc_data.topics (``seed`` picks). With ``results``, the rows it holds are
     skipped, every new row is appended to it as soon as its sample is done and its summary files are rewritten;
-    the rows returned are then all of its rows."""
+    the rows returned are then all of its rows. ``backend``: Kascade's (``kascade.enable``'s: "auto", "reference"
+    or "triton"); each generated row records the one that ran. ``batch_size``: generated samples of one task and
+    length answered together, in left-padded batches of up to this many (each answer as it is alone, up to the
+    rounding of the batch's arithmetic; the attended fraction is then the batch's)."""
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(TASKS)}")
-    sess = Session(model, tok, strategies, plan=plan, budget=budget, omnikv_layer=omnikv_layer)
+    sess = Session(model, tok, strategies, plan=plan, budget=budget, omnikv_layer=omnikv_layer, backend=backend)
     lb = longbench.load(longbench_file, limit=longbench_limit) if longbench_file else []
     done = results.done if results is not None else set()
     jobs = ([(t, L, i) for L in lengths for t in tasks for i in range(samples_of(t, samples))]
             + [("longbench", None, i) for i in range(len(lb))])
     fid_windows = {}
     rows = []
-    with tqdm(jobs, desc="eval", unit="sample", disable=not progress) as bar:  # closed (its line ended) on Ctrl-C
-        for task, L, i in bar:
-            bar.set_postfix_str(f"{task} {L or ''} #{i}")
-            new = _job(sess, tok, task, L, i, strategies=strategies, samples=samples, seed=seed, lb=lb, done=done,
-                       windows=windows, fid_windows=fid_windows)
+    with tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress) as bar:  # closed on Ctrl-C
+        for task, L, idx in _batches(jobs, batch_size):
+            bar.set_postfix_str(f"{task} {L or ''} #{idx[0]}" + (f"-{idx[-1]}" if len(idx) > 1 else ""))
+            new = _job(sess, tok, task, L, idx, strategies=strategies, samples=samples, seed=seed, lb=lb,
+                       done=done, windows=windows, fid_windows=fid_windows)
             rows += new
             if results is not None and new:
                 results.add(new)
                 results.write(chart=False)
+            bar.update(len(idx))
     return rows if results is None else list(results.rows)
 
 
@@ -208,6 +270,8 @@ class Settings:
     score_dtype: str | None = None  # the anchors' scoring ("fp8": FP8 scoring), for every strategy
     dense_tail: int | None = None  # a prefill's last queries attended densely, for every strategy
     omnikv_layer: int = 2
+    backend: str = "auto"  # Kascade's: auto (Triton on CUDA where it serves the model), reference or triton
+    batch_size: int = 1  # generated samples answered together (left-padded)
     longbench: str | Path | None = None
     longbench_limit: int | None = None
     data: str | Path | None = None  # the fidelity task's text (None: pydoc_data.topics' evaluation split)
@@ -221,7 +285,7 @@ class Settings:
         for flag, value, low in (("--samples", self.samples, 1), ("--seed", self.seed, 0),
                                  ("--omnikv-layer", self.omnikv_layer, 1), ("--skip-texts", self.skip_texts, 0),
                                  ("--k-min", self.k_min, 1), ("--longbench-limit", self.longbench_limit, 1),
-                                 ("--dense-tail", self.dense_tail, 0)):
+                                 ("--dense-tail", self.dense_tail, 0), ("--batch-size", self.batch_size, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
         r = self.ratio
@@ -230,6 +294,8 @@ class Settings:
         m = self.mass
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
             raise ValueError(f"--mass must be a share of attention in (0, 1], got {m!r}")
+        if self.backend not in ("auto", "reference", "triton"):
+            raise ValueError(f"--backend must be auto, reference or triton, got {self.backend!r}")
         if self.score_dtype not in (None, "fp8"):
             raise ValueError(f"--score-dtype must be fp8 (or unset: exact scores), got {self.score_dtype!r}")
         for flag, given, known in (("--strategies", self.strategies, STRATEGIES), ("--tasks", self.tasks, TASKS)):
@@ -290,6 +356,10 @@ class Settings:
                  **({} if self.score_dtype is None else dict(score_dtype=self.score_dtype)),
                  **({} if self.dense_tail is None else dict(dense_tail=self.dense_tail)),
                  omnikv_layer=self.omnikv_layer, longbench=_digest(self.longbench), data=_digest(self.data))
+        if not (self.device == "cpu" and self.backend in ("auto", "reference")):  # (on a CPU both run the reference)
+            d["backend"] = self.backend
+        if self.batch_size > 1:  # batched arithmetic can round differently
+            d["batch_size"] = self.batch_size
         if self.data is not None:
             d.update(text_field=self.text_field, skip_texts=self.skip_texts)
         return d
@@ -329,7 +399,8 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
     header = (f"machine: {dev}; torch {torch.__version__}; transformers {transformers.__version__}; "
               f"model {s.model or 'SmolLM2-135M-Instruct (default)'}; seed {s.seed}; "
               "samples per length: " + ", ".join(f"{t} {samples_of(t, s.samples)}" for t in tasks)
-              + (f"; fidelity on {s.data}" if s.data else ""))
+              + (f"; fidelity on {s.data}" if s.data else "") + f"; Kascade backend {s.backend}"
+              + (f"; generated samples in batches of {s.batch_size}" if s.batch_size > 1 else ""))
     results = Results(out, s.defining(), header)
     ready = []
 
@@ -345,7 +416,13 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
                              + "; ".join(plan.fingerprint.differences(fp)))
         strategies = list(s.strategies or available(shape))
         for name in strategies:
-            make_strategy(name, shape, plan, omnikv_layer=s.omnikv_layer, budget=s.budget)
+            spec = make_strategy(name, shape, plan, omnikv_layer=s.omnikv_layer, budget=s.budget)
+            if spec is not None and s.backend == "triton":  # refused now, not after the weights are read
+                try:
+                    ops.resolve_backend("triton", s.device, s.dtype, fp.head_dim, fp.num_q_heads // fp.num_kv_heads,
+                                        spec[0].budget)
+                except ValueError as e:
+                    raise ValueError(f"--backend triton cannot run strategy {name}: {e}") from None
         windows = None
         if texts is not None:
             windows = data_windows(tok, texts, s.lengths, samples_of(FIDELITY, s.samples), skip=s.skip_texts,
@@ -363,7 +440,8 @@ def _evaluate(s: Settings, out, progress: bool) -> dict:
     strategies, windows, plan = ready[0]
     run(model, tok, strategies=strategies, tasks=tasks, lengths=s.lengths, samples=s.samples, seed=s.seed,
         plan=plan, budget=s.budget, longbench_file=s.longbench, longbench_limit=s.longbench_limit,
-        omnikv_layer=s.omnikv_layer, progress=progress, windows=windows, results=results)
+        omnikv_layer=s.omnikv_layer, progress=progress, windows=windows, results=results, backend=s.backend,
+        batch_size=s.batch_size)
     r = results.write(chart=True)
     r["rows"] = results.rows
     return r
