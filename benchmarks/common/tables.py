@@ -357,8 +357,7 @@ def retrieval_plan() -> str:
              *(f"{r[p]['agreement']:.3f} / {r[p]['kl']:.3f}" for p in ("default", "retrieval")), ""]
             for r in t["fidelity"]["rows"]]
     for r in t["needle"]:
-        where = ("H100, " if "H100" in r["machine"] else "CPU, ") + ("Triton" if "Triton backend" in r["machine"]
-                                                                      else "reference")
+        where = f"{'H100' if 'H100' in r['machine'] else 'CPU'}, {'Triton' if 'Triton backend' in r['machine'] else 'reference'}"
         cells = []
         for p in ("default", "retrieval"):
             lo, hi = wilson(r[p], r["samples"])
