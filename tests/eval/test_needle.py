@@ -49,6 +49,21 @@ def _needle_sentences(task, sample):
     return re.findall(r"\n\n(" + pattern + r")\n\n", sample.prompt)
 
 
+def test_a_haystack_whose_count_shrinks_slowly_still_fits(tok, monkeypatch):
+    """needle_multikey 2K sample 95 with the default model's tokenizer under transformers 5.25 counted 2,049 tokens
+    however the haystack was cut at rooms 1 to 4 tokens smaller: the sample raised. Stubbed here: every prompt
+    within 5 tokens of the length counts one over it."""
+    length, real = 600, needle._chat_len
+
+    def stubborn(tokenizer, content):
+        n = real(tokenizer, content)
+        return length + 1 if n > length - 6 else n
+
+    monkeypatch.setattr(needle, "_chat_len", stubborn)
+    s = needle.generate("needle_multikey", tok, length, seed=0, index=95)
+    assert length - 20 <= real(tok, s.prompt) <= length - 6
+
+
 @pytest.mark.parametrize("task", needle.TASKS)
 def test_samples_are_deterministic_per_seed_and_index(tok, task):
     a = needle.generate(task, tok, 600, seed=3, index=2)

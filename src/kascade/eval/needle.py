@@ -72,7 +72,9 @@ def _compose(tokenizer, length: int, hay_seed: int, needles: list[tuple[float, s
     then the question, so that the chat-formatted prompt has at most ``length`` tokens."""
     frame = "".join("\n\n" + n + "\n\n" for _, n in needles) + "\n\n" + question
     room = length - _chat_len(tokenizer, frame)
-    for _ in range(4):  # decoding and re-encoding a cut haystack may change its token count a little
+    # Decoding and re-encoding a cut haystack may change its token count a little: the haystack shrinks by the tokens
+    # over, and after three tries by more each time (a cut that re-encodes one token long whatever the room).
+    for attempt in range(12):
         if room < 16:
             raise ValueError(f"a prompt of {length} tokens has no room for a haystack around the needles")
         hay = text.windows(tokenizer, "eval", room, 1, seed=hay_seed)[0]
@@ -85,7 +87,7 @@ def _compose(tokenizer, length: int, hay_seed: int, needles: list[tuple[float, s
         over = _chat_len(tokenizer, content) - length
         if over <= 0:
             return content
-        room -= over
+        room -= over + (0 if attempt < 3 else 2 ** (attempt - 3))
     raise AssertionError("the haystack does not fit")  # pragma: no cover
 
 
