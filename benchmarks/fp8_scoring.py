@@ -1,21 +1,22 @@
-"""FP8 scoring on the GPU: the anchors' speed with e4m3 scoring against exact scoring and the best dense kernel in
-the same run, and what the FP8 selection keeps of the exact one on random inputs (one GPU call).
+"""FP8 and INT8 scoring on the GPU: the anchors' speed with e4m3 and int8 scoring against exact scoring and the best
+dense kernel in the same run, and what each selection keeps of the exact one on random inputs (one GPU call).
 
     python -m benchmarks.fp8_scoring [--out DIR] [--quick]
 
 For Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, D = 128) and the default model's (9 / 3, D = 64),
-bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype="fp8"`` (:mod:`kascade.ops.fp8`):
+bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype`` "fp8" (:mod:`kascade.ops.fp8`) and
+"int8" (:mod:`kascade.ops.int8`); every figure of a quantised scoring carries its suffix, ``_fp8`` or ``_int8``:
 
 * prefill, B = 1, N in 32K / 128K: cuDNN SDPA (the dense baseline), the anchor layer (selection with its own LSE
   pass, then the sparse pass), its parts (quantising q and k, the LSE pass, the selection), layer 0 and a reuse
   layer, and the model average of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers);
 * decode, B in 1 / 32, N in 32K / 128K, each call captured in a CUDA graph and replayed: dense (the faster of SDPA
-  and our split-K kernel), the anchor layer with exact scoring and with FP8 scoring over an e4m3 copy of the keys
-  (what a decode step keeping its anchors' keys in e4m3 reads; the copy's bytes are reported), its selection alone,
+  and our split-K kernel), the anchor layer with exact scoring and with FP8 / INT8 scoring over an 8-bit copy of the
+  keys (what a decode step keeping its anchors' keys in 8 bits reads; the copy's bytes are reported), its selection alone,
   layer 0, a reuse layer, and the model average;
 * selection agreement (random inputs, whose near-uniform attention is a hard case for ranking): per row the share of
-  the exact selection's keys that the FP8 selection keeps, and (decode) the share of the exact selection's pooled
-  probability that the FP8 selection holds.
+  the exact selection's keys that the FP8 (INT8) selection keeps, ``kept_share`` (``kept_share_int8``), and
+  (decode) the share of the exact selection's pooled probability that it holds, ``mass_share`` (``mass_share_int8``).
 
 Writes fp8_scoring.json and a text summary under --out (default out/fp8_scoring). ``--quick``: small shapes only (a
 smoke test that runs on any CUDA GPU in seconds).
@@ -38,6 +39,9 @@ from kascade.ops import reference
 from kascade.ops.step import decode_meta
 from kascade.ops.triton import decode as td
 from kascade.ops.triton import fp8 as tf
+from kascade.ops.triton import int8 as ti
+
+QUANTISED = {"_fp8": "fp8", "_int8": "int8"}  # a figure's suffix -> its score_dtype
 from kascade.ops.triton import prefill as tp
 
 
@@ -59,8 +63,8 @@ def kept_share(a: torch.Tensor, b: torch.Tensor, n: int, rows_per_chunk: int = 2
 
 def _ratios(row: dict, dense: float) -> None:
     """The anchor's ratio to ``dense`` and the model average (32 dense layers over layer 0 + 4 anchors + 27 reuse
-    layers), exact and FP8, into ``row``."""
-    for tag in ("", "_fp8"):
+    layers), exact, FP8 and INT8, into ``row``."""
+    for tag in ("", *QUANTISED):
         row["anchor_x" + tag] = row["anchor" + tag] / dense
         row["model_avg" + tag] = 32 * dense / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
 
@@ -70,18 +74,20 @@ def prefill_row(name, HQ, H, D, N) -> dict:
 
     q, k, v = prefill_inputs(HQ, H, D, N, seed=N)
     sc, G = D**-0.5, HQ // H
-    exact, fp8 = PREFILL_BUDGET, replace(PREFILL_BUDGET, score_dtype="fp8")
+    exact = PREFILL_BUDGET
+    budgets = {"": exact, **{tag: replace(exact, score_dtype=sd) for tag, sd in QUANTISED.items()}}
     row = dict(model=name, B=1, N=N)
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn"] = median_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True))
     del ke, ve
-    row["quantize_qk"] = median_ms(lambda: tp.quantized(q, k))
-    q8, k8, sq, sk = tp.quantized(q, k)
     row["lse"] = median_ms(lambda: tp.prefill_lse(q, k, scale=sc))
-    row["lse_fp8"] = median_ms(lambda: tp.prefill_lse(q8, k8, scale=sc, fp8=(sq, sk)))
-    del q8, k8, sq, sk
-    for tag, b in (("", exact), ("_fp8", fp8)):
+    for tag, sd in QUANTISED.items():
+        row["quantize_qk" + ("" if sd == "fp8" else tag)] = median_ms(lambda: tp.quantized(q, k, sd))
+        q8, k8, sq, sk = tp.quantized(q, k, sd)
+        row["lse" + tag] = median_ms(lambda: tp.prefill_lse(q8, k8, scale=sc, fp8=(sq, sk)))
+        del q8, k8, sq, sk
+    for tag, b in budgets.items():
         row["select" + tag] = median_ms(lambda: tp.select_prefill(q, k, budget=b, scale=sc))
         row["select_scores_only" + tag] = median_ms(lambda: tp.select_prefill(q, k, budget=b, scale=sc,
                                                                              scores_only=True))
@@ -89,33 +95,38 @@ def prefill_row(name, HQ, H, D, N) -> dict:
     row["layer0"] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
     sel = tp.select_prefill(q, k, budget=exact, scale=sc)
     row["reuse"] = median_ms(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc))
-    sel8 = tp.select_prefill(q, k, budget=fp8, scale=sc)
-    row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
-    del sel, sel8
+    for tag in QUANTISED:
+        sel8 = tp.select_prefill(q, k, budget=budgets[tag], scale=sc)
+        row["kept_share" + ("" if tag == "_fp8" else tag)] = kept_share(sel.indices, sel8.indices, N)
+        del sel8
+    del sel
     _ratios(row, row["cudnn"])
     log(f"prefill {name} N={N}: cudnn {row['cudnn']:.2f} ms | anchor {row['anchor']:.2f} ({row['anchor_x']:.2f}x) "
         f"fp8 {row['anchor_fp8']:.2f} ({row['anchor_x_fp8']:.2f}x) | lse {row['lse']:.2f} / {row['lse_fp8']:.2f} | "
         f"quantize {row['quantize_qk']:.2f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | "
-        f"kept {row['kept_share']:.4f}")
+        f"kept {row['kept_share']:.4f} | int8: anchor {row['anchor_int8']:.2f} ({row['anchor_x_int8']:.2f}x) lse "
+        f"{row['lse_int8']:.2f} model {row['model_avg_int8']:.2f}x kept {row['kept_share_int8']:.4f}")
     return row
 
 
 def decode_row(name, HQ, H, D, B, N) -> dict:
     q, k, v = decode_inputs(B, HQ, H, N, D, "cuda", seed=N + B)
     sc, dev = D**-0.5, q.device
-    exact, fp8 = DECODE_BUDGET, replace(DECODE_BUDGET, score_dtype="fp8")
+    exact = DECODE_BUDGET
+    budgets = {"": exact, **{tag: replace(exact, score_dtype=sd) for tag, sd in QUANTISED.items()}}
     meta = decode_meta(B, device=dev, q_offset=N - 1, budget=exact)
     row = dict(model=name, B=B, N=N)
     out = torch.empty_like(q)
     row["sdpa"] = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=sc, enable_gqa=True))
     row["dense_ours"] = graph_us(lambda: td.dense_decode(q, k, v, scale=sc, meta=meta, out=out))
     row["dense"] = min(row["sdpa"], row["dense_ours"])
-    k_fp8 = tf.quantize(k)
-    row["fp8_copy_mb"] = (k_fp8[0].numel() + 4 * k_fp8[1].numel()) / 2**20
+    copies = {"_fp8": tf.quantize(k), "_int8": ti.quantize(k)}  # the anchors' keys kept in 8 bits
+    row["fp8_copy_mb"] = (copies["_fp8"][0].numel() + 4 * copies["_fp8"][1].numel()) / 2**20  # (int8's the same)
     sel = td.select_decode(q, k, budget=exact, scale=sc, meta=meta)
     row["reuse"] = graph_us(lambda: td.sparse_decode(q, k, v, sel.indices, scale=sc, out=out))
     row["layer0"] = graph_us(lambda: td.dense_select_decode(q, k, v, budget=exact, scale=sc, meta=meta, out=out))
-    for tag, b, kw in (("", exact, {}), ("_fp8", fp8, {"k_fp8": k_fp8})):
+    for tag, b in budgets.items():
+        kw = {"k_quant": copies[tag]} if tag else {}
         row["select" + tag] = graph_us(lambda: td.select_decode(q, k, budget=b, scale=sc, meta=meta, **kw))
 
         def anchor():
@@ -123,21 +134,25 @@ def decode_row(name, HQ, H, D, B, N) -> dict:
             td.sparse_decode(q, k, v, s.indices, scale=sc, out=out)
 
         row["anchor" + tag] = graph_us(anchor)
-    sel8 = td.select_decode(q, k, budget=fp8, scale=sc, meta=meta, k_fp8=k_fp8)
-    row["kept_share"] = kept_share(sel.indices, sel8.indices, N)
-    # the exact pooled probabilities (the reference's) each selection holds, a sequence at a time
-    shares = []
-    for i in range(B):
-        p = reference.pooled_decode(q[i].float(), k[i].float(), sc)  # [H, N]
-        m = [torch.where(s.indices[i, :, 0] >= 0, p.gather(-1, s.indices[i, :, 0].long().clamp_min(0)), 0).sum(-1)
-             for s in (sel, sel8)]
-        shares.append(m[1] / m[0])
-    row["mass_share"] = float(torch.cat(shares).mean())
+    for tag in QUANTISED:
+        sel8 = td.select_decode(q, k, budget=budgets[tag], scale=sc, meta=meta, k_quant=copies[tag])
+        suffix = "" if tag == "_fp8" else tag
+        row["kept_share" + suffix] = kept_share(sel.indices, sel8.indices, N)
+        # the exact pooled probabilities (the reference's) each selection holds, a sequence at a time
+        shares = []
+        for i in range(B):
+            p = reference.pooled_decode(q[i].float(), k[i].float(), sc)  # [H, N]
+            m = [torch.where(s.indices[i, :, 0] >= 0, p.gather(-1, s.indices[i, :, 0].long().clamp_min(0)), 0)
+                 .sum(-1) for s in (sel, sel8)]
+            shares.append(m[1] / m[0])
+        row["mass_share" + suffix] = float(torch.cat(shares).mean())
     _ratios(row, row["dense"])
     log(f"decode {name} B={B} N={N}: dense {row['dense']:.1f} us | anchor {row['anchor']:.1f} ({row['anchor_x']:.2f}x)"
         f" fp8 {row['anchor_fp8']:.1f} ({row['anchor_x_fp8']:.2f}x) | select {row['select']:.1f} / "
         f"{row['select_fp8']:.1f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | kept "
-        f"{row['kept_share']:.4f} mass {row['mass_share']:.5f}")
+        f"{row['kept_share']:.4f} mass {row['mass_share']:.5f} | int8: anchor {row['anchor_int8']:.1f} "
+        f"({row['anchor_x_int8']:.2f}x) select {row['select_int8']:.1f} model {row['model_avg_int8']:.2f}x kept "
+        f"{row['kept_share_int8']:.4f}")
     return row
 
 

@@ -16,6 +16,9 @@ import torch
 
 from . import _renamed
 
+# How an anchor's scoring passes may compute the scores they rank keys by (Budget.score_dtype): None is exact.
+SCORE_DTYPES = (None, "fp8", "int8")
+
 
 def _floor_mul(x, r: float):
     """``floor(r * x)`` in float64, for an int or an integer tensor."""
@@ -58,8 +61,9 @@ class Budget:
              fewest of its best keys that hold ``mass`` of its pooled probability, at least its count at ratio 0
              (the ``k_min`` floor) and at most its count (``ratio`` becomes the cap); see :func:`mass_counts`.
     score_dtype: how the anchors' scoring passes compute the scores they rank keys by: ``None`` (in the inputs'
-             dtype, exact) or ``"fp8"`` (e4m3 with a power-of-two scale per query and key vector,
-             :mod:`kascade.ops.fp8`). The keys a layer attends are attended exactly either way.
+             dtype, exact), ``"fp8"`` (e4m3 with a power-of-two scale per query and key vector,
+             :mod:`kascade.ops.fp8`) or ``"int8"`` (8-bit integers with a scale per vector, :mod:`kascade.ops.int8`).
+             The keys a layer attends are attended exactly either way.
     dense_tail: in a pass of more than one query (a prefill, or a chunk of one), its last ``dense_tail`` queries
              attend every valid key in every layer (``>= 0``; 0: none). A prompt ends with the question and the
              chat template's turn marks; attended densely they cost one tile's dense attention per layer. Decode
@@ -87,9 +91,9 @@ class Budget:
                                       or not 0.0 < self.mass <= 1.0):
             raise ValueError(f"mass must be None (keep each row's count) or a share of attention in (0, 1], "
                              f"got {self.mass!r}")
-        if self.score_dtype not in (None, "fp8"):
-            raise ValueError(f"score_dtype must be None (score in the inputs' dtype) or 'fp8' (e4m3 scoring), "
-                             f"got {self.score_dtype!r}")
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ValueError(f"score_dtype must be None (score in the inputs' dtype), 'fp8' (e4m3 scoring) or "
+                             f"'int8' (8-bit integer scoring), got {self.score_dtype!r}")
         if isinstance(self.dense_tail, bool) or not isinstance(self.dense_tail, int) or self.dense_tail < 0:
             raise ValueError(f"dense_tail must be an integer >= 0 (a prefill's last queries attended densely), "
                              f"got {self.dense_tail!r}")

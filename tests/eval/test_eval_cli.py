@@ -17,7 +17,7 @@ def test_eval_help_explains_every_option(capsys):
         build_parser().parse_args(["eval", "--help"])
     out = capsys.readouterr().out
     for opt in ("--strategies", "--tasks", "--lengths", "--samples", "--seed", "--device", "--plan", "--longbench",
-                "--out", "--score-dtype", "e4m3", "streamingllm", "quest", "omnikv", "fidelity", "niah_multikey"):
+                "--out", "--score-dtype", "e4m3", "int8", "streamingllm", "quest", "omnikv", "fidelity", "niah_multikey"):
         assert opt in out
 
 
@@ -451,3 +451,7 @@ def test_score_dtype_reaches_every_strategys_plan_and_defines_the_rows(tmp_path,
     assert main([*argv[:-1], str(tmp_path / "exact")]) == 0
     assert plans and all(p.score_dtype is None for p in plans.values())
     assert "score_dtype" not in json.loads((tmp_path / "exact" / "run.json").read_text())
+    plans.clear()  # INT8 scoring the same way
+    assert main([*argv[:-1], str(tmp_path / "int8"), "--score-dtype", "int8"]) == 0
+    assert plans and all(p.score_dtype == "int8" and p.budget.score_dtype == "int8" for p in plans.values())
+    assert json.loads((tmp_path / "int8" / "run.json").read_text())["score_dtype"] == "int8"

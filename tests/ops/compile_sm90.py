@@ -28,11 +28,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kascade.ops.triton import decode as td  # noqa: E402
 from kascade.ops.triton import fp8 as tf  # noqa: E402
+from kascade.ops.triton import int8 as ti  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-BF16, I32, I64, F32, FP8 = "*bf16", "*i32", "*i64", "*fp32", "*fp8e4nv"
+BF16, I32, I64, F32, FP8, I8 = "*bf16", "*i32", "*i64", "*fp32", "*fp8e4nv", "*i8"
 # Pointer arguments by name (others that start with a capital letter are fp32 buffers); scalar arguments are int32
 # unless named here.
 POINTERS = {"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Idx": I32, "Cnt": I32, "Meta": I32, "BT": I32,
@@ -56,9 +57,10 @@ def variants():
             maxb = 8 if kind == "sparse" else 1
             yield f"decode {kind} D{D}", td._split_kernel, {**base, **flags, "BLOCK_N": bn, "MAXB": maxb}, nw, ns
         bn, nw, ns = td._default_config(D, "score")
-        yield (f"decode score fp8 D{D}", td._split_kernel,
-               {**base, "SPARSE": False, "HAS_V": False, "WRITE_SCORES": True, "DIRECT": False, "BLOCK_N": bn,
-                "FP8": True, "FP8_MMA": True}, nw, ns)
+        for q8 in ("fp8", "int8"):  # FP8 / INT8 scoring: e4m3 / int8 Q and K (their names say which)
+            yield (f"decode score {q8} D{D}", td._split_kernel,
+                   {**base, "SPARSE": False, "HAS_V": False, "WRITE_SCORES": True, "DIRECT": False, "BLOCK_N": bn,
+                    "FP8": True, "FP8_MMA": True}, nw, ns)
         yield (f"decode merge D{D}", td._merge_kernel, dict(H=8, G=G, D=D, SB=td._merge_block(64, D), RNE=False),
                4, 3)
         yield (f"decode sparse paged int64 D{D}", td._split_kernel,
@@ -71,17 +73,21 @@ def variants():
             yield (f"prefill {kind} D{D}", tp._dense_kernel,
                    dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=has_v, WRITE_LSE=True, F32=False, RNE=False),
                    c.num_warps, c.num_stages)
-        c = tp._launch("lse", D)  # FP8 scoring's passes: e4m3 Q and K (their names say "fp8")
-        BQ, Mr = tp._rows(G, c.block_m)
-        yield (f"prefill lse fp8 D{D}", tp._dense_kernel,
-               dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
-                    FP8=True, FP8_MMA=True), c.num_warps, c.num_stages)
-        M, NSUB, MR = tp._score_rows(G, T)
-        c = tp._launch("score", D)
-        yield (f"prefill score fp8 D{D}", tp._score_kernel,
-               dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=c.block_n, F32=False, NHIST=topk.NHIST,
-                    ZERO_HIST=True, POLY=c.fma_exp, FP8=True, FP8_MMA=True), c.num_warps, c.num_stages)
-        yield (f"quantize fp8 D{D}", tf._quantize_kernel, dict(D=D, DP=D, BLOCK_R=max(1, min(64, 4096 // D))), 4, 3)
+        for q8 in ("fp8", "int8"):  # FP8 / INT8 scoring's passes: e4m3 / int8 Q and K (their names say which)
+            c = tp._launch("lse", D)
+            BQ, Mr = tp._rows(G, c.block_m)
+            yield (f"prefill lse {q8} D{D}", tp._dense_kernel,
+                   dict(G=G, D=D, BQ=BQ, M=Mr, BLOCK_N=c.block_n, HAS_V=False, WRITE_LSE=True, F32=False, RNE=False,
+                        FP8=True, FP8_MMA=True), c.num_warps, c.num_stages)
+            M, NSUB, MR = tp._score_rows(G, T)
+            c = tp._launch("score", D)
+            yield (f"prefill score {q8} D{D}", tp._score_kernel,
+                   dict(HQ=8 * G, G=G, T=T, D=D, M=M, NSUB=NSUB, MR=MR, BLOCK_N=c.block_n, F32=False,
+                        NHIST=topk.NHIST, ZERO_HIST=True, POLY=c.fma_exp, FP8=True, FP8_MMA=True),
+                   c.num_warps, c.num_stages)
+        block_r = max(1, min(64, 4096 // D))
+        yield f"quantize fp8 D{D}", tf._quantize_kernel, dict(D=D, DP=D, BLOCK_R=block_r), 4, 3
+        yield f"quantize int8 D{D}", ti._quantize_kernel, dict(D=D, DP=D, BLOCK_R=block_r), 4, 3
         # G = 6: two blocks, 128 + 64 rows, with the first reloaded; each D also with the fma_exp (8 or 0) that is not
         # its default (the sweep's)
         fma = tp._launch("score", D).fma_exp
@@ -123,6 +129,8 @@ def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
             sig[a] = "i32"
     if "fp8" in name and "quantize" not in name:
         sig["Q"] = sig["K"] = FP8
+    if "int8" in name:
+        sig.update({"Q": I8, "K": I8} if "quantize" not in name else {"X8": I8})
     if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
         sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

@@ -231,6 +231,8 @@ def test_enabling_fp8_scoring_on_triton_says_what_decode_costs(recwarn):
     plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.25, k_min=4, tile=8).with_budget(score_dtype="fp8")
     with pytest.warns(UserWarning, match="FP8 scoring .* quantises its layer's whole key cache"):
         kascade.enable(model, plan, backend="triton", warn_uncalibrated=False).disable()
+    with pytest.warns(UserWarning, match="INT8 scoring .* quantises its layer's whole key cache"):
+        kascade.enable(model, plan.with_budget(score_dtype="int8"), backend="triton", warn_uncalibrated=False).disable()
     recwarn.clear()
     kascade.enable(model, plan, backend="reference", warn_uncalibrated=False).disable()
     assert not [w for w in recwarn if "FP8 scoring" in str(w.message)]

@@ -447,7 +447,7 @@ def test_fp8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case)
         "rounding to e4m3 changes no selection here: the case cannot tell FP8 scoring from exact scoring"
     pooled = pooled_decode_rows(qr, kr, kv_start, q_offset, pos["scale"])
     kk = dev(poison(k, kv_start, q_offset + 1))
-    for what, kw in (("quantised here", {}), ("e4m3 keys given", {"k_fp8": tf.quantize(kk)})):
+    for what, kw in (("quantised here", {}), ("e4m3 keys given", {"k_quant": tf.quantize(kk)})):
         sel = td.select_decode(dev(q), kk, budget=by_fp8, num_splits=S, **pos, **kw)
         check_decode_selection(sel, want, pooled, kv_start, q_offset, BUDGET, paged=False, what=f"fp8 {what}",
                                rtol=FP8_RTOL)
@@ -460,3 +460,63 @@ def test_fp8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case)
     check_decode_selection(sel0, reference.select(q, k, budget=BUDGET, **pos),
                            pooled_decode_rows(q, k, kv_start, q_offset, pos["scale"]), kv_start, q_offset, BUDGET,
                            paged=False, what="layer 0")
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[_id(c) for c in FP8_CASES])
+def test_int8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case):
+    """INT8 scoring (kascade.ops.int8) in the decode scoring pass: the reference's selection on the rounded vectors
+    (the kernel's integer dots are exact: ties within the usual tolerance), set and ranked; layer 0's one pass stays
+    exact."""
+    from kascade.ops import int8, reference
+    from kascade.ops.triton import int8 as ti
+
+    B, H, G, N, D, dt, page, S = case
+    q64, k64, v64, kv_start, q_offset = _inputs(case, N * 17 + G + D)
+    q, k = q64.to(dt), k64.to(dt)
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+    by_int8 = Budget(ratio=BUDGET.ratio, k_min=BUDGET.k_min, score_dtype="int8")
+    qr, kr = int8.rounded(q), int8.rounded(k)
+    want = reference.select(qr, kr, budget=BUDGET, **pos)
+    pooled = pooled_decode_rows(qr, kr, kv_start, q_offset, pos["scale"])
+    kk = dev(poison(k, kv_start, q_offset + 1))
+    for what, kw in (("quantised here", {}), ("int8 keys given", {"k_quant": ti.quantize(kk)})):
+        sel = td.select_decode(dev(q), kk, budget=by_int8, num_splits=S, **pos, **kw)
+        check_decode_selection(sel, want, pooled, kv_start, q_offset, BUDGET, paged=False, what=f"int8 {what}")
+    ranked = td.select_decode(dev(q), kk, budget=by_int8, rank_factor=0.5, **pos)
+    check_decode_selection(ranked, reference.select(qr, kr, budget=BUDGET, rank_factor=0.5, **pos), pooled, kv_start,
+                           q_offset, BUDGET, paged=False, what="int8 ranked", rank_factor=0.5)
+    _, sel0 = td.dense_select_decode(dev(q), kk, dev(poison(v64.to(dt), kv_start, q_offset + 1)), budget=by_int8,
+                                     **pos)
+    check_decode_selection(sel0, reference.select(q, k, budget=BUDGET, **pos),
+                           pooled_decode_rows(q, k, kv_start, q_offset, pos["scale"]), kv_start, q_offset, BUDGET,
+                           paged=False, what="layer 0")
+
+
+def test_int8_decode_scoring_is_not_exact_scoring_on_these_cases():
+    """Somewhere on the INT8 cases' inputs the rounding changes the reference's selection: the test above compares
+    selections that differ from exact scoring's."""
+    from kascade.ops import int8, reference
+
+    differs = []
+    for case in FP8_CASES:
+        B, H, G, N, D, dt, page, S = case
+        q64, k64, _, kv_start, q_offset = _inputs(case, N * 17 + G + D)
+        q, k = q64.to(dt), k64.to(dt)
+        pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+        differs.append(not torch.equal(reference.select(int8.rounded(q), int8.rounded(k), budget=BUDGET, **pos).indices,
+                                       reference.select(q, k, budget=BUDGET, **pos).indices))
+    assert any(differs), differs
+
+
+def test_the_quantised_key_copy_is_named_k_quant():
+    """``k_fp8`` became ``k_quant`` (the keys quantised for the budget's score_dtype, e4m3 or int8): the former name is
+    an error naming the current one, and a copy of the other type is refused."""
+    from kascade._renamed import RenamedError
+    from kascade.ops.triton import fp8 as tf
+
+    q, k = torch.randn(1, 2, 1, 16, dtype=torch.bfloat16), torch.randn(1, 1, 40, 16, dtype=torch.bfloat16)
+    pos = {"scale": 0.25, "kv_start": torch.tensor([0]), "q_offset": 39}
+    with pytest.raises(RenamedError, match="k_quant"):
+        td.select_decode(dev(q), dev(k), budget=Budget(score_dtype="fp8"), k_fp8=tf.quantize(dev(k)), **pos)
+    with pytest.raises(AssertionError, match="float8_e4m3fn"):
+        td.select_decode(dev(q), dev(k), budget=Budget(score_dtype="int8"), k_quant=tf.quantize(dev(k)), **pos)

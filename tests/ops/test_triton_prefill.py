@@ -470,3 +470,71 @@ def test_fp8_quantize_kernel_rounds_as_torch_does():
             b8, sb = tf.quantize(dev(view))
             assert torch.equal(sb.cpu(), sa), dt
             assert torch.equal(b8.cpu().view(torch.uint8), a8.view(torch.uint8)), dt
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[_id(c) for c in FP8_CASES])
+def test_int8_scoring_selects_what_the_reference_selects_on_rounded_vectors(case):
+    """INT8 scoring (kascade.ops.int8) in prefill's LSE and scoring passes: the reference's selection on the rounded
+    vectors (integer dots, exact: the usual tolerance for ties), in one chunk and in one-tile chunks, set and ranked;
+    layer 0's one pass stays exact."""
+    from kascade.ops import int8
+
+    B, H, G, N, L, D, T, dt, chunked = case
+    q64, k64, _, kv_start, q_offset = _inputs(case, N * 19 + G * 3 + D)
+    q, k = q64.to(dt), k64.to(dt)
+    pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+    exact, by_int8 = _budget(T), Budget(ratio=0.5, k_min=5, tile=T, score_dtype="int8")
+    qr, kr = int8.rounded(q), int8.rounded(k)
+    kk = dev(poison(k, kv_start, q_offset + L))  # a NaN key's vector gets a NaN scale: it must stay unread
+    pooled = pooled_prefill_rows(qr, kr, kv_start, q_offset, pos["scale"], T)
+    q8, k8, sq, sk = tp.quantized(dev(q), kk, "int8")
+    assert q8.dtype == k8.dtype == torch.int8
+    check_lse(tp.prefill_lse(q8, k8, fp8=(sq, sk), block_m=32, block_n=16, **pos), qr, kr, kv_start, q_offset,
+              pos["scale"], "INT8 LSE")
+    want = reference.select(qr, kr, budget=exact, **pos)
+    for what, kw in (("one chunk", {}), ("one-tile chunks", {"max_chunk_bytes": 1})):
+        kw = {**kw, "scoring": tp.Launch(block_n=16)}
+        sel = tp.select_prefill(dev(q), kk, budget=by_int8, **pos, **kw)
+        check_prefill_selection(sel, want, pooled, kv_start, q_offset, L, exact, f"int8 select/{what}")
+    ranked = tp.select_prefill(dev(q), kk, budget=by_int8, rank_factor=0.5, **pos)
+    check_prefill_selection(ranked, reference.select(qr, kr, budget=exact, rank_factor=0.5, **pos), pooled, kv_start,
+                            q_offset, L, exact, "int8 ranked", rank_factor=0.5)
+    _, sel0 = tp.dense_select_prefill(dev(q), kk, dev(poison(k, kv_start, q_offset + L)), budget=by_int8, **pos)
+    check_prefill_selection(sel0, reference.select(q, k, budget=exact, **pos),
+                            pooled_prefill_rows(q, k, kv_start, q_offset, pos["scale"], T), kv_start, q_offset, L,
+                            exact, "layer 0")
+
+
+def test_int8_scoring_is_not_exact_scoring_on_these_cases():
+    """Somewhere on the INT8 cases' inputs the rounding changes the reference's selection."""
+    from kascade.ops import int8
+
+    differs = []
+    for case in FP8_CASES:
+        B, H, G, N, L, D, T, dt, chunked = case
+        q64, k64, _, kv_start, q_offset = _inputs(case, N * 19 + G * 3 + D)
+        q, k = q64.to(dt), k64.to(dt)
+        pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": q_offset}
+        differs.append(not torch.equal(reference.select(int8.rounded(q), int8.rounded(k), budget=_budget(T),
+                                                        **pos).indices,
+                                       reference.select(q, k, budget=_budget(T), **pos).indices))
+    assert any(differs), differs
+
+
+def test_int8_quantize_kernel_rounds_as_torch_does():
+    """The one-pass INT8 quantisation kernel against kascade.ops.int8.quantize, bit for bit: ties to even, a zero
+    vector, values over many binades, a strided view."""
+    from kascade.ops import int8
+    from kascade.ops.triton import int8 as ti
+
+    g = torch.Generator().manual_seed(7)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(2, 3, 41, 64, generator=g) * torch.logspace(-3, 3, 41)[None, None, :, None]
+        x[0, 0, 0] = 0.0
+        x[0, 0, 1, :4] = torch.tensor([127.0, 63.5, 62.5, -1.5])  # scale 1: ties to even
+        x = x.to(dt)
+        for view in (x, x.transpose(1, 2)):
+            a8, sa = int8.quantize(view)
+            b8, sb = ti.quantize(dev(view))
+            assert torch.equal(sb.cpu(), sa), dt
+            assert torch.equal(b8.cpu(), a8), dt

@@ -90,11 +90,12 @@ def add(sub) -> None:
                    "decode query) keeps the fewest of its best keys holding this share of its pooled attention, in "
                    "(0, 1], at least --k-min and at most --ratio's count (default: each plan's own: by count); runs "
                    "on the reference backend")
-    e.add_argument("--score-dtype", choices=("fp8",), default=None,
+    e.add_argument("--score-dtype", choices=("fp8", "int8"), default=None,
                    help="how the anchor layers score keys to rank them, for every strategy: fp8 rounds each query "
-                   "and key vector to e4m3 (8-bit floats) with a power-of-two scale of its own before the scores "
-                   "whose pooled probabilities pick the keys; layer 0 and every attention output stay exact "
-                   "(default: each plan's own: exact scores); runs on the reference backend")
+                   "and key vector to e4m3 (8-bit floats) with a power-of-two scale of its own, int8 to 8-bit "
+                   "integers with a scale of its own (max|x| / 127), before the scores whose pooled probabilities "
+                   "pick the keys; layer 0 and every attention output stay exact (default: each plan's own: exact "
+                   "scores)")
     e.add_argument("--dense-tail", type=int, default=None, metavar="TOKENS",
                    help="in every prefill, the prompt's last TOKENS queries attend every key in every layer, for "
                    "every strategy (the question and the chat template's turn marks; 32 is one tile); >= 0 "

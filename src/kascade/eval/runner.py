@@ -22,6 +22,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import models, ops, text
+from ..budget import SCORE_DTYPES
 from ..fidelity import DenseReference
 from ..files import output_folder
 from ..integration.hf import enable
@@ -267,7 +268,7 @@ class Settings:
     ratio: float | None = None  # budget overrides for every strategy
     k_min: int | None = None
     mass: float | None = None  # a budget by attention mass, for every strategy (ratio then caps it)
-    score_dtype: str | None = None  # the anchors' scoring ("fp8": FP8 scoring), for every strategy
+    score_dtype: str | None = None  # the anchors' scoring ("fp8" / "int8": FP8 / INT8 scoring), for every strategy
     dense_tail: int | None = None  # a prefill's last queries attended densely, for every strategy
     omnikv_layer: int = 2
     backend: str = "auto"  # Kascade's: auto (Triton on CUDA where it serves the model), reference or triton
@@ -296,8 +297,8 @@ class Settings:
             raise ValueError(f"--mass must be a share of attention in (0, 1], got {m!r}")
         if self.backend not in ("auto", "reference", "triton"):
             raise ValueError(f"--backend must be auto, reference or triton, got {self.backend!r}")
-        if self.score_dtype not in (None, "fp8"):
-            raise ValueError(f"--score-dtype must be fp8 (or unset: exact scores), got {self.score_dtype!r}")
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ValueError(f"--score-dtype must be fp8 or int8 (or unset: exact scores), got {self.score_dtype!r}")
         for flag, given, known in (("--strategies", self.strategies, STRATEGIES), ("--tasks", self.tasks, TASKS)):
             bad = [x for x in given or () if x not in known]
             if bad or given == ():

@@ -198,10 +198,10 @@ def enable(model, plan: KascadePlan | str | None = None, *, backend: str = "auto
                                  f"anchor {cross[0][2]} head {cross[0][3]}): use plan.for_tensor_parallel("
                                  f"{shard.size}) (or `kascade calibrate --tensor-parallel {shard.size}`), or "
                                  "enable(..., exchange=True)")
-    if backend == "triton" and plan.score_dtype == "fp8":
-        warnings.warn("FP8 scoring (score_dtype='fp8') on the Triton backend: in decode each anchor quantises its "
-                      "layer's whole key cache on every step (no e4m3 copy of it is kept yet), which reads more than "
-                      "exact scoring does; it speeds prefill at Llama-like head dims (docs/design/kernels.md)",
+    if backend == "triton" and plan.score_dtype is not None:
+        warnings.warn(f"{plan.score_dtype.upper()} scoring (score_dtype={plan.score_dtype!r}) on the Triton backend: "
+                      "in decode each anchor quantises its layer's whole key cache on every step (no quantised copy "
+                      "of it is kept yet), which reads more than exact scoring does (docs/design/kernels.md)",
                       stacklevel=2)
     if not plan.calibrated and warn_uncalibrated:
         warnings.warn(f"Kascade is using an uncalibrated plan ({plan.source}); accuracy will be lower than with a "

@@ -183,7 +183,8 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     if not isinstance(budget, Budget):
         raise TypeError(f"budget must be a kascade.Budget, got {type(budget).__name__}")
     if budget.score_dtype is not None:
-        raise ValueError(f"the JAX ops score exactly: FP8 scoring (budget.score_dtype={budget.score_dtype!r}) runs on "
+        raise ValueError(f"the JAX ops score exactly: {budget.score_dtype.upper()} scoring (budget.score_dtype="
+                         f"{budget.score_dtype!r}) runs on "
                          "the torch ops (kascade.ops, backend='reference')")
     if budget.mass is not None:
         raise ValueError(f"the JAX ops select by count: a budget by attention mass (budget.mass={budget.mass!r}) runs "

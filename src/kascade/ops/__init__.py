@@ -241,7 +241,8 @@ def select(q, k, *, budget: Budget | None = None, scale=None, kv_start=None, q_o
     descending pooled probability (ties: the earlier key first), -1 padded at the end.
 
     ``budget.score_dtype="fp8"``: the probabilities are those of FP8 scores (:mod:`kascade.ops.fp8`: each query and
-    key vector rounded to e4m3 with a power-of-two scale), on the reference backend."""
+    key vector rounded to e4m3 with a power-of-two scale); ``"int8"``: of INT8 scores (:mod:`kascade.ops.int8`: 8-bit
+    integers with a scale per vector)."""
     step = _step(step, q, k, None, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
     rank_factor = _rank_factor(rank_factor)
@@ -267,7 +268,7 @@ def dense_select(q, k, v, *, budget: Budget | None = None, scale=None, kv_start=
                  step: Step | None = None, rank_factor: float | None = None) -> tuple[torch.Tensor, Selection]:
     """Layer 0: :func:`dense_attention` and :func:`select` of the same inputs, from one pass where the backend
     has one (Triton: the selection reuses the dense pass's softmax statistics). ``-> (out, Selection)``. Its scores
-    are exact whatever ``budget.score_dtype`` says: FP8 scoring is the anchors' (:func:`select`) only."""
+    are exact whatever ``budget.score_dtype`` says: FP8 / INT8 scoring is the anchors' (:func:`select`) only."""
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=budget)
     scale = _scale(scale, q)
     rank_factor = _rank_factor(rank_factor)

@@ -19,7 +19,7 @@ import torch
 
 from .. import _renamed
 from ..budget import Budget, at_factor, mass_counts
-from . import fp8
+from . import fp8, int8
 from .selection import Selection, sort_padded, stack_rows
 
 # Largest temporary score tensor, in elements (fp32: 256 MB).
@@ -32,11 +32,13 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _scored(q: torch.Tensor, k: torch.Tensor, budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
     """The query and key vectors an anchor's scores are computed from: ``q``, ``k`` themselves, or with
-    ``budget.score_dtype == "fp8"`` each head vector (one head, one position) rounded as FP8 scoring sees it
-    (:func:`kascade.ops.fp8.rounded`, in the math dtype). Only the selection ops call this: outputs stay exact."""
-    if budget.score_dtype == "fp8":
-        return fp8.rounded(q), fp8.rounded(k)
-    return q, k
+    ``budget.score_dtype`` "fp8" / "int8" each head vector (one head, one position) rounded as FP8 / INT8 scoring
+    sees it (:func:`kascade.ops.fp8.rounded`, :func:`kascade.ops.int8.rounded`, in the math dtype). Only the
+    selection ops call this: outputs stay exact."""
+    if budget.score_dtype is None:
+        return q, k
+    rounded = {"fp8": fp8.rounded, "int8": int8.rounded}[budget.score_dtype]
+    return rounded(q), rounded(k)
 
 
 def _valid_span(kv_start: torch.Tensor, q_offset: int, L: int, b: int) -> tuple[int, int, int]:
@@ -183,7 +185,7 @@ def _select_prefill_one(q, k, scale: float, budget: Budget, shared: bool = False
 def select(q, k, *, budget: Budget, scale: float, kv_start: torch.Tensor, q_offset: int,
            shared: bool = False, rank_factor: float | None = None) -> Selection:
     """Anchor selection. Arguments as in :func:`kascade.ops.select`; with ``rank_factor`` a ranked selection. The
-    scores are those of :func:`_scored` (FP8-rounded vectors when ``budget.score_dtype == "fp8"``)."""
+    scores are those of :func:`_scored` (FP8- or INT8-rounded vectors with a ``budget.score_dtype``)."""
     q, k = _scored(q, k, budget)
     B, HQ, L, D = q.shape
     md = _math_dtype(q.dtype)

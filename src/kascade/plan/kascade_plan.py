@@ -86,8 +86,8 @@ class KascadePlan:
     head_map:   one row per layer, ``head_map[l][h]`` = the KV head of ``anchor_of(l)`` whose index set KV head
                 ``h`` of layer ``l`` uses. Rows of anchor layers are the identity.
     ratio, k_min, tile, rolling, mass, score_dtype, dense_tail: the budget (see :class:`kascade.budget.Budget`;
-                ``mass``: rows keep keys by attention mass, ``ratio`` then caps them; ``score_dtype="fp8"``: the
-                anchors rank keys by FP8 scores; ``dense_tail``: a prefill's last queries attend densely).
+                ``mass``: rows keep keys by attention mass, ``ratio`` then caps them; ``score_dtype`` "fp8" / "int8": the
+                anchors rank keys by FP8 / INT8 scores; ``dense_tail``: a prefill's last queries attend densely).
     calibrated: False for the uniform default that no calibration chose.
     source:     a human-readable note on where the plan came from.
     reuse:      the reuse rule (:class:`Reuse`; default: the paper's).

@@ -45,7 +45,9 @@ from ..selection import Selection
 from ..step import decode_meta
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
-from .fp8 import fp8_mma, fp8_operand as _fp8_operand, quantize
+from . import fp8 as fp8_kernels, int8 as int8_kernels
+from .fp8 import fp8_operand as _fp8_operand
+from .int8 import scoring_mma
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -72,8 +74,8 @@ def _split_kernel(
     FP8_MMA: tl.constexpr = False, MERGE: tl.constexpr = True,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FP8 (the
-    scoring pass of FP8 scoring, contiguous caches): ``Q``, ``K`` e4m3, ``SQ [B, HQ]`` and ``SK [B, H, N]`` their
-    scales.
+    scoring pass of FP8 or INT8 scoring, contiguous caches): ``Q``, ``K`` e4m3 or int8, ``SQ [B, HQ]`` and ``SK [B,
+    H, N]`` their scales.
 
     ``Ws``: the pass's fp32 scratch, ``[Mx [B, HQ, S]] [Ls [B, HQ, S]] [Acc [B, HQ, S, D] (with V and S > 1)]``, Acc
     at the first multiple of 64 elements.
@@ -359,7 +361,7 @@ def _align(n: int) -> int:
 
 
 def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
-    """The launch of one pass, memoised. An e4m3 ``dtype``: FP8 scoring."""
+    """The launch of one pass, memoised. An e4m3 / int8 ``dtype``: FP8 / INT8 scoring."""
     key = (kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg)
     plan = _PLANS.get(key)
     if plan is None:
@@ -375,8 +377,8 @@ def _plan(kind, B, H, G, D, n_keys, device, dtype, paged, counts, cfg) -> _Plan:
         consts = dict(H=H, G=G, GP=_gp(G), D=D, BLOCK_N=bn, PAGED=paged, SPARSE=sparse, HAS_V=has_v,
                       WRITE_SCORES=scores, DIRECT=S == 1, F32=f32, NHIST=topk.NHIST, RNE=rne, HAS_CNT=counts,
                       MAXB=next_power_of_2(cdiv(per, bn)) if sparse else 1, SB=_merge_block(S, D), num_warps=nw)
-        if dtype == torch.float8_e4m3fn:
-            consts.update(FP8=True, FP8_MMA=fp8_mma(device, D))
+        if dtype in (torch.float8_e4m3fn, torch.int8):
+            consts.update(FP8=True, FP8_MMA=scoring_mma(dtype, device, D))
         if num_stages is not None:
             consts["num_stages"] = num_stages
         n_st = B * H * G * S
@@ -428,7 +430,7 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
     selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
     rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32. ``fp8``: ``(sq [B, HQ, 1],
-    sk [B, H, N])``, the scales of e4m3 ``q`` and ``k`` (the scoring pass of FP8 scoring). ``fused_merge``: whether the
+    sk [B, H, N])``, the scales of e4m3 / int8 ``q`` and ``k`` (the scoring pass of FP8 / INT8 scoring). ``fused_merge``: whether the
     row's last program merges (one launch) or :func:`_merge_kernel` does (a second launch); default: fused, but
     while a CUDA graph is being captured."""
     B, HQ, H, G, D = _heads(q, k, block_table)
@@ -459,7 +461,8 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     done = _done(dev, B * H) if fused else ws
     qs = q.stride()
     os_ = out.stride() if out is not None else (0, 0)
-    assert (fp8 is not None) == (q.dtype == torch.float8_e4m3fn) and (fp8 is None or not (has_v or paged))
+    assert (fp8 is not None) == (q.dtype in (torch.float8_e4m3fn, torch.int8))
+    assert fp8 is None or not (has_v or paged)
     sq, sk = fp8 if fp8 is not None else (ws, ws)
     _split_kernel[(p.S, H, B)](
         q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
@@ -538,9 +541,10 @@ def select_decode(q, k, *, budget: Budget, scale, rank_factor=None, **kw) -> Sel
                       rank_factor)
 
 
+@_renamed.keywords("the keys quantised for the budget's score_dtype, e4m3 or int8", k_fp8="k_quant")
 def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offset=None, block_table=None,
                           seq_lens=None, meta=None, method="radix", chunk=None, rank_factor=None,
-                          index_dtype=torch.long, k_fp8=None, **cfg) -> torch.Tensor:
+                          index_dtype=torch.long, k_quant=None, **cfg) -> torch.Tensor:
     """The indices ``[B, H, 1, KMAX]`` of :func:`select_decode`'s selection (no ``row_start``: a launch of its own
     that :mod:`kascade.ops`, which has the step's, does not need). ``method``: "radix" (Triton radix select, exact:
     ties at the threshold go to the earliest keys) or "topk" (torch.topk on the pooled scores). ``index_dtype``: of
@@ -552,17 +556,20 @@ def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offse
     not sorted by slot, -1 padded at the end (the sparse kernels need only the padding at the end). With "radix"
     the keys are selected by the radix select and then only they are sorted by probability.
 
-    FP8 scoring (``budget.score_dtype == "fp8"``, :mod:`kascade.ops.fp8`; contiguous caches): the query is quantised
-    here and the keys too, unless ``k_fp8 = (k8, sk)`` holds them already (:func:`kascade.ops.triton.fp8.quantize` of
-    ``k``: a decode step that keeps its anchors' keys in e4m3 reads half the bytes; quantising the whole cache on
-    every call reads it all and costs more than it saves)."""
+    FP8 / INT8 scoring (``budget.score_dtype`` "fp8" / "int8", :mod:`kascade.ops.fp8`, :mod:`kascade.ops.int8`;
+    contiguous caches): the query is quantised here and the keys too, unless ``k_quant = (k8, sk)`` holds them
+    already (:func:`kascade.ops.triton.fp8.quantize` / :func:`kascade.ops.triton.int8.quantize` of ``k``: a decode
+    step that keeps its anchors' keys in 8 bits reads half the bytes; quantising the whole cache on every call reads
+    it all and costs more than it saves)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     meta = _meta_for(q, meta, kv_start, q_offset, seq_lens, block_table, budget, k.shape[2])
     assert meta.k is not None, "meta built without a budget"
     fp8 = None
-    if budget.score_dtype == "fp8":
-        assert block_table is None, "FP8 scoring of a paged cache is not supported"
-        k8, sk = k_fp8 if k_fp8 is not None else quantize(k)
+    if budget.score_dtype is not None:
+        assert block_table is None, "FP8 / INT8 scoring of a paged cache is not supported"
+        quantize = {"fp8": fp8_kernels.quantize, "int8": int8_kernels.quantize}[budget.score_dtype]
+        k8, sk = k_quant if k_quant is not None else quantize(k)
+        assert k8.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[budget.score_dtype], k8.dtype
         assert k8.shape == k.shape and sk.shape == k.shape[:3] and sk.stride(-1) == 1
         q, sq = quantize(q)
         k, fp8 = k8, (sq, sk)

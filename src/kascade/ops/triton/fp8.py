@@ -30,10 +30,14 @@ def fp8_mma(device: torch.device, D: int) -> bool:
 
 @triton.jit
 def fp8_operand(x, NATIVE: tl.constexpr):
-    """An e4m3 tile as a dot operand: as it is where the tensor cores take FP8 (:func:`fp8_mma`), else widened to
-    bf16 (exact: every e4m3 value is a bf16 value); the products are exact either way."""
+    """An e4m3 (or int8: INT8 scoring, :mod:`kascade.ops.triton.int8`) tile as a dot operand: as it is where the
+    tensor cores take it (:func:`fp8_mma`, ``int8_mma``), else widened to bf16 (exact: every e4m3 value is a bf16
+    value), int8 to fp16 (exact up to 2048; the interpreter converts integers to bf16 wrongly); the products are
+    exact either way."""
     if NATIVE:
         return x
+    elif x.dtype == tl.int8:
+        return x.to(tl.float16)
     else:
         return x.to(tl.bfloat16)
 

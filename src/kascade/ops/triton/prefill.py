@@ -39,9 +39,10 @@ from ...budget import Budget
 from .. import prefill_chunks
 from ..selection import Selection
 from . import topk
-from . import fp8 as fp8_kernels
+from . import fp8 as fp8_kernels, int8 as int8_kernels
 from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
-from .fp8 import fp8_mma, fp8_operand as _fp8_operand
+from .fp8 import fp8_operand as _fp8_operand
+from .int8 import scoring_mma
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,8 +89,9 @@ def _online_step(q, kt, vt, ok, m_i, l_i, acc, qk_scale, HAS_V: tl.constexpr, F3
     key yet (all -inf), so keep exp2 finite. ``ok``: a boolean ``[M, BN]`` (or broadcastable) mask, ignored with
     ALL_VALID (every key valid): the scale then goes into the exponential's fused multiply-add and the row maximum
     is taken before it (exact: scaling by a positive number keeps the order), a multiply, compare and select per
-    score fewer. FP8 (FP8 scoring, :mod:`kascade.ops.fp8`): ``q``, ``kt`` are e4m3, ``sk [BN]`` the keys' scales and
-    ``qk_scale [M]`` each row's (its query's scale times the softmax scale, log2 domain)."""
+    score fewer. FP8 (FP8 or INT8 scoring, :mod:`kascade.ops.fp8`, :mod:`kascade.ops.int8`): ``q``, ``kt`` are
+    e4m3 or int8, ``sk [BN]`` the keys' scales and ``qk_scale [M]`` each row's (its query's scale times the softmax
+    scale, log2 domain)."""
     s = dot(q, tl.trans(kt), F32)  # [M, BN]
     if FP8:
         s = s * sk[None, :]
@@ -130,7 +132,8 @@ def _dense_kernel(
     FP8: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
 ):
     """One program = (block of BQ queries, KV head, sequence): M >= BQ*G rows (query-major). FP8 (the LSE pass of
-    FP8 scoring, no values): ``Q``, ``K`` e4m3, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their scales."""
+    FP8 or INT8 scoring, no values): ``Q``, ``K`` e4m3 or int8, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their
+    scales."""
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # longest blocks first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -280,7 +283,8 @@ def _score_kernel(
     probability of key position j (relative) for j < s = tile start, -inf for s <= j < W. The tile's G*T rows:
     NSUB blocks of M, then one of MR (none if 0; :func:`_score_rows`). ZERO_HIST: the first split zeroes the top-k's
     histograms of its buffer row (``Hist [B * H * C, NHIST]``, rows in buffer order), a memset launch less per
-    chunk. FP8 (FP8 scoring): ``Q``, ``K`` e4m3, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their scales."""
+    chunk. FP8 (FP8 or INT8 scoring): ``Q``, ``K`` e4m3 or int8, ``SQ [B, HQ, L]`` and ``SK [B, H, n_keys]`` their
+    scales."""
     split = tl.program_id(0)
     c = tl.program_id(1)
     hb = tl.program_id(2)
@@ -567,7 +571,7 @@ def dense_prefill(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, re
 def prefill_lse(q, k, *, scale, kv_start=None, q_offset=None, step=None, **cfg) -> torch.Tensor:
     """Only the per-row log-sum-exp ``[B, HQ, L]`` (a QK pass without values: the anchor's first pass). Other
     keywords: the launch (block_m, block_n, num_warps, num_stages), and ``fp8=(sq, sk)``: ``q``, ``k`` are e4m3
-    (:func:`quantized`) and these their scales, the LSE of FP8 scoring's scores."""
+    or int8 (:func:`quantized`) and these their scales, the LSE of FP8 / INT8 scoring's scores."""
     return _dense_run(q, k, None, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, has_v=False,
                       write_lse=True, **cfg)[1]
 
@@ -579,7 +583,8 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
     ks, _, q_offset = geometry or _geometry(q, k, step, kv_start, q_offset)
     f32, rne = flags(q)
     cfg = _launch("fp32" if q.dtype == torch.float32 else "dense" if has_v else "lse", D)
-    assert fp8 is None or (not has_v and q.dtype == k.dtype == fp8_kernels.E4M3), "FP8: the LSE pass of e4m3 q, k"
+    assert fp8 is None or (not has_v and q.dtype == k.dtype and q.dtype in (fp8_kernels.E4M3, torch.int8)), \
+        "FP8 / INT8: the LSE pass of quantised q, k"
     BQ, M = _rows(G, block_m or cfg.block_m)
     bn = block_n or cfg.block_n
     if has_v:
@@ -595,17 +600,18 @@ def _dense_run(q, k, v, *, scale, kv_start=None, q_offset=None, step=None, has_v
         vv.stride(0), vv.stride(1), vv.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
         L, q_offset, scale * LOG2E, k.shape[2],
         G=G, D=D, BQ=BQ, M=M, BLOCK_N=bn, HAS_V=has_v, WRITE_LSE=write_lse, F32=f32, RNE=rne,
-        FP8=fp8 is not None, FP8_MMA=fp8 is not None and fp8_mma(q.device, D),
+        FP8=fp8 is not None, FP8_MMA=fp8 is not None and scoring_mma(q.dtype, q.device, D),
         num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
     )
     return (out if has_v else None), (lse if write_lse else None)
 
 
-def quantized(q, k) -> tuple:
-    """FP8 scoring's inputs (:mod:`kascade.ops.fp8`): ``(q8, k8, sq [B, HQ, L], sk [B, H, N])``, each head vector
-    e4m3 with its power-of-two scale, by the one-pass kernel (:func:`kascade.ops.triton.fp8.quantize`)."""
-    q8, sq = fp8_kernels.quantize(q)
-    k8, sk = fp8_kernels.quantize(k)
+def quantized(q, k, score_dtype: str = "fp8") -> tuple:
+    """FP8 / INT8 scoring's inputs (:mod:`kascade.ops.fp8`, :mod:`kascade.ops.int8`): ``(q8, k8, sq [B, HQ, L], sk
+    [B, H, N])``, each head vector e4m3 with its power-of-two scale or int8 with its scale, by the one-pass kernels
+    (:func:`kascade.ops.triton.fp8.quantize`, :func:`kascade.ops.triton.int8.quantize`)."""
+    quantize = {"fp8": fp8_kernels.quantize, "int8": int8_kernels.quantize}[score_dtype]
+    (q8, sq), (k8, sk) = quantize(q), quantize(k)
     return q8, k8, sq, sk
 
 
@@ -675,9 +681,10 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
       :func:`prefill_lse` takes them; an assertion when ``lse`` is given).
     * ``scores_only``: score every chunk but find no top keys (the indices stay -1): the benchmark's breakdown.
 
-    FP8 scoring (``budget.score_dtype == "fp8"``, :mod:`kascade.ops.fp8`): ``q`` and ``k`` are quantised once
-    (:func:`quantized`: an e4m3 copy of each, a byte an element, and a float per head vector), and both passes score
-    with them; ``lse`` must not be given (it would be the exact scores')."""
+    FP8 / INT8 scoring (``budget.score_dtype`` "fp8" / "int8", :mod:`kascade.ops.fp8`, :mod:`kascade.ops.int8`):
+    ``q`` and ``k`` are quantised once (:func:`quantized`: an e4m3 / int8 copy of each, a byte an element, and a
+    float per head vector), and both passes score with them; ``lse`` must not be given (it would be the exact
+    scores')."""
     assert method in ("topk", "radix"), method
     B, HQ, H, G, L, D = _heads(q, k)
     budget = budget or step.budget
@@ -700,10 +707,10 @@ def select_prefill(q, k, *, scale, budget: Budget | None = None, kv_start=None, 
     cfg = dict(scale=scale, q_offset=q_offset, T=T, max_chunk_bytes=max_chunk_bytes, method=method,
                rank_factor=rank_factor, scoring=scoring or Launch(), scores_only=scores_only)
     lse_cfg = lse_launch.set_fields() if lse_launch is not None else {}
-    fp8 = budget.score_dtype == "fp8"
+    fp8 = budget.score_dtype is not None  # FP8 or INT8 scoring: quantised operands with a scale per vector
     if fp8:
-        assert lse is None, "FP8 scoring makes its LSE from its own scores"
-        q, k, sq, sk = quantized(q, k)
+        assert lse is None, "FP8 / INT8 scoring makes its LSE from its own scores"
+        q, k, sq, sk = quantized(q, k, budget.score_dtype)
     g = B if lse is not None else prefill_chunks.lse_group(B, HQ, L, max_chunk_bytes)
     for b0 in range(0, B, g):
         sl = slice(b0, min(B, b0 + g))
@@ -725,7 +732,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     """The selection of a group of sequences (``q``, ``k``, ``lse`` and the per-sequence tensors sliced to it) into
     ``indices`` (its slice of the selection): chunks of tiles (:func:`kascade.ops.prefill_chunks.plan_chunks`), each
     scored into a buffer whose top keys are found per row. ``fixed``: bytes of the bound already taken (the group's
-    LSE when made for it). ``fp8``: ``(sq, sk)``, the scales of e4m3 ``q`` and ``k`` (FP8 scoring)."""
+    LSE when made for it). ``fp8``: ``(sq, sk)``, the scales of e4m3 / int8 ``q`` and ``k`` (FP8 / INT8 scoring)."""
     B, HQ, H, G, L, D = _heads(q, k)
     dev = q.device
     K = indices.shape[3]
@@ -744,7 +751,7 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
     M, NSUB, MR = _score_rows(G, T, scoring.block_m)
     launch = replace(_launch("score_reloaded" if NSUB > 1 else "score", D), **scoring.set_fields())
     bn = launch.block_n
-    native = fp8 is not None and fp8_mma(dev, D)
+    native = fp8 is not None and scoring_mma(q.dtype, dev, D)
     sms = num_sms(dev)
     if direct:  # per row (b, h, c) of every chunk, in launch order: (the sequence's first slot, the buffer width,
         # the row's count, 0), made on the host and copied once (not a copy per chunk for the host to launch)
