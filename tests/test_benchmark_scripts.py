@@ -197,7 +197,7 @@ def test_eager_decode_quick_runs_every_measurement(tmp_path):
 def test_fp8_selection_measures_by_hand():
     """benchmarks.fp8_selection's two measures on rows built by hand: one row whose FP8 ranking swaps the exact
     second and third keys (count 2: kept 1/2, mass (0.4 + 0.2) / (0.4 + 0.3)), one identical row (1, 1), one row that
-    selects nothing (left out); and a sequence whose rounding changes nothing measures 1 everywhere."""
+    selects nothing (left out); and sequences whose FP8, bf16 or INT8 rounding changes nothing measure 1 everywhere."""
     import torch
 
     from benchmarks import fp8_selection as f
@@ -213,9 +213,17 @@ def test_fp8_selection_measures_by_hand():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (4, 40, 8), generator=g).float() / 8
     k = torch.randint(-8, 8, (2, 40, 8), generator=g).float() / 4
-    rows = f.measure_sequence(q, k, Budget(ratio=0.3, k_min=4, tile=8), 0.35)
+    rows = f.measure_sequence(q, k, Budget(ratio=0.3, k_min=4, tile=8), 0.35, scorings=("fp8", "bf16", "int8"))
     for kind in ("decode", "prefill"):
-        kept, mass = rows[kind]
+        for s in ("fp8", "bf16"):
+            kept, mass = rows[kind, s]
+            assert len(kept) and (kept == 1).all() and torch.allclose(mass, torch.ones_like(mass)), (kind, s)
+    # integers times 1/16 whose largest magnitude is 127/16 (scale 1/16 exactly): INT8 scoring changes nothing
+    q = torch.randint(-127, 128, (4, 40, 8), generator=g).float().index_fill_(-1, torch.tensor([0]), 127.0) / 16
+    k = torch.randint(-127, 128, (2, 40, 8), generator=g).float().index_fill_(-1, torch.tensor([0]), -127.0) / 16
+    rows = f.measure_sequence(q, k, Budget(ratio=0.3, k_min=4, tile=8), 0.35, scorings=("int8",))
+    for kind in ("decode", "prefill"):
+        kept, mass = rows[kind, "int8"]
         assert len(kept) and (kept == 1).all() and torch.allclose(mass, torch.ones_like(mass)), kind
 
 

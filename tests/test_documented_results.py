@@ -130,6 +130,27 @@ def test_concepts_fp8_scoring_sentence():
         assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
 
 
+def test_concepts_int8_scoring_sentence():
+    """The INT8 scoring sentence: the ranges of the model rows' mean kept share (INT8 and FP8) are the table's, and
+    the bounds on the change of agreement and KL hold for every length and are the tightest at the digit shown."""
+    text = _text(DOCS / "concepts.md")
+    lo8, hi8, lof, hif = _find(r"a mean of ([\d.]+) to ([\d.]+) of its keys, against ([\d.]+) to ([\d.]+) for FP8",
+                               text)
+    sel = tables.results("accuracy")["fp8"]["selection"]
+    for s, lo, hi in (("int8", lo8, hi8), ("fp8", lof, hif)):
+        means = [r["kept_mean"] for r in sel if r["scoring"] == s and r["inputs"] == "model"]
+        assert len(means) == 2 and (f"{min(means):.3f}", f"{max(means):.3f}") == (lo, hi), (s, means)
+    agree, kl = _find(r"INT8 scoring keeps more.*?agreement and KL change by less than ([\d.]+) and ([\d.]+)",
+                      text.replace("\n", " "))
+    rows = tables.results("accuracy")["fp8"]["fidelity"]
+    change = {key: [abs(f[key] - e[key]) for e in rows if e["scoring"] == "exact" for f in rows
+                    if f["scoring"] == "int8" and f["length"] == e["length"]] for key in ("agreement", "kl")}
+    assert len(change["agreement"]) == 2
+    for key, bound in (("agreement", agree), ("kl", kl)):
+        step = 10 ** -len(bound.split(".")[1])
+        assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
+
+
 def test_calibration_cost_model_error():
     (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]

@@ -27,6 +27,7 @@ MODEL_NAMES = {"llama-3.1-8b": "Llama-3.1-8B", "smollm2-135m": "SmolLM2-135M", "
                "default": "SmolLM2-135M"}
 LLAMA = ModelFingerprint("llama", 32, 32, 8, 128)
 SMOL = ModelFingerprint("llama", 30, 9, 3, 64)
+SCORINGS = {"exact": "exact (default)", "fp8": "FP8", "int8": "INT8", "bf16": "bf16 rounding (reference point)"}
 
 
 @cache
@@ -62,10 +63,7 @@ def _x(x: float, digits: int = 2) -> str:
 
 def _sig(x: float, digits: int = 3) -> str:
     """``digits`` significant digits, no exponent."""
-    if x == 0:
-        return "0"
-    d = max(0, digits - 1 - int(f"{abs(x):e}".split("e")[1]))
-    return f"{x:.{d}f}"
+    return "0" if x == 0 else f"{x:.{max(0, digits - 1 - int(f'{abs(x):e}'.split('e')[1]))}f}"
 
 
 def _table(head: list[str], rows: list[list]) -> str:
@@ -377,22 +375,22 @@ def anchor_adaptation() -> str:
 
 
 def fp8_selection() -> str:
-    """FP8 scoring's selection against exact scoring's, per shape: the exact selection's keys it keeps and the
-    share of the exact selection's pooled probability it captures, min / mean over layers (or random draws)."""
+    """Low-precision scoring's selection against exact scoring's, per scoring and shape: the exact selection's keys
+    it keeps and the share of its pooled probability captured, min / mean over layers (or random draws)."""
     names = {"model": "default model, eval windows", "llama8b-random-bf16": "Llama-3.1-8B shapes, random bf16"}
-    rows = [[names[r["inputs"]], r["kind"], _n(r["length"]), r["layers"],
+    rows = [[SCORINGS[r["scoring"]], names[r["inputs"]], r["kind"], _n(r["length"]), r["layers"],
              f"{r['kept_min']:.3f} / {r['kept_mean']:.3f}", f"{r['mass_min']:.4f} / {r['mass_mean']:.4f}"]
             for r in results("accuracy")["fp8"]["selection"]]
-    return _table(["inputs", "rows", "tokens", "layers", "keys kept: min / mean", "mass captured: min / mean"], rows)
+    return _table(["scoring", "inputs", "rows", "tokens", "layers", "keys kept: min / mean",
+                   "mass captured: min / mean"], rows)
 
 
 def fp8_fidelity() -> str:
-    """The default plan with exact and with FP8 scoring, teacher-forced against dense, per length."""
+    """The default plan with exact and with low-precision scoring, teacher-forced against dense, per length."""
     t = results("accuracy")["fp8"]["fidelity"]
     lengths = sorted({r["length"] for r in t})
-    rows = [[name] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t
-                           if r["scoring"] == scoring and r["length"] == n) for n in lengths]
-            for scoring, name in (("exact", "exact (default)"), ("fp8", "FP8"))]
+    rows = [[SCORINGS[s]] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t if (r["scoring"], r["length"])
+                                  == (s, n)) for n in lengths] for s in SCORINGS if any(r["scoring"] == s for r in t)]
     return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
 
 

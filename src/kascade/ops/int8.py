@@ -9,10 +9,9 @@ integers with its own scale, and a score is the integer dot product times both s
     s(q, k)  = (q8 . k8) * scale(q) * scale(k) * softmax_scale
 
 The integer dot is exact (int32; in fp32 too while ``D * 127**2 < 2**24``, ``D <= 1040``). Where e4m3 keeps 3
-mantissa bits of every element, 8-bit integers keep the largest elements of a vector to 7 bits and lose the small
-ones: on the default model's queries and keys 98.9% of the keys an anchor keeps are those exact scoring keeps,
-against 95-96% with FP8 scoring (``python -m benchmarks.fp8_selection``, accuracy.json ``int8``). Hopper's
-tensor cores multiply int8 at the FP8 rate.
+mantissa bits of every element, 8-bit integers keep a vector's largest elements to 7 bits and lose its smallest:
+what that changes in the selection, against FP8 scoring's, is measured by ``python -m benchmarks.fp8_selection``
+(the manual's concepts page). Hopper's tensor cores multiply int8 at the FP8 rate.
 """
 
 from __future__ import annotations
