@@ -50,9 +50,9 @@ def test_opcheck_decode_ops(backend, rank_factor):
     idx_dtype = torch.int32 if backend == "triton" else torch.long
     _opcheck("dense_decode", q, k, v, meta, 40, 0.25, backend)
     _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, None, idx_dtype, backend)
-    if backend == "reference":  # FP8 scoring: the reference's alone
-        _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, "fp8", idx_dtype,
-                 backend)
+    for score_dtype in ("fp8", "int8") if backend == "reference" else ("int8",):  # FP8: the reference's alone
+        _opcheck("select_decode", q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, score_dtype,
+                 idx_dtype, backend)
     _opcheck("dense_select_decode", q, k, v, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, idx_dtype, backend)
     idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, None, idx_dtype,
                                        backend)
@@ -73,8 +73,8 @@ def test_opcheck_host_geometry_ops(backend):
     args = (ks, 10, 0.25, b.ratio, b.k_min, b.tile, b.rolling)
     _opcheck("dense_attention", q, k, v, ks, 10, 0.25, backend)
     _opcheck("select", q, k, *args, None, False, None, rows, width, step.index_dtype, backend)
-    if backend == "reference":  # FP8 scoring: the reference's alone
-        _opcheck("select", q, k, *args, None, False, "fp8", rows, width, step.index_dtype, backend)
+    for score_dtype in ("fp8", "int8") if backend == "reference" else ("int8",):  # FP8: the reference's alone
+        _opcheck("select", q, k, *args, None, False, score_dtype, rows, width, step.index_dtype, backend)
     _opcheck("dense_select", q, k, v, *args, 2.0, rows, step.counts(2.0)[1], step.index_dtype, backend)
     idx, row_start = library.OPS["select"](q, k, *args, None, False, None, rows, width, step.index_dtype, backend)
     _opcheck("sparse_attention", q, k, v, idx, row_start, None, False, b.tile, ks, 10, 0.25, backend)
