@@ -12,8 +12,8 @@ bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype`` "fp8
   layer, and the model average of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers);
 * decode, B in 1 / 32, N in 32K / 128K, each call captured in a CUDA graph and replayed: dense (the faster of SDPA
   and our split-K kernel), the anchor layer with exact scoring and with FP8 / INT8 scoring over an 8-bit copy of the
-  keys (what a decode step keeping its anchors' keys in 8 bits reads; the copy's bytes are reported), its selection alone,
-  layer 0, a reuse layer, and the model average;
+  keys (what a decode step keeping its anchors' keys in 8 bits reads; the copy's bytes are reported), its selection
+  alone, layer 0, a reuse layer, and the model average;
 * selection agreement (random inputs, whose near-uniform attention is a hard case for ranking): per row the share of
   the exact selection's keys that the FP8 (INT8) selection keeps, ``kept_share`` (``kept_share_int8``), and
   (decode) the share of the exact selection's pooled probability that it holds, ``mass_share`` (``mass_share_int8``).

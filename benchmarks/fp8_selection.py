@@ -206,7 +206,8 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     header = dict(machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads (CPU)",
                   torch=torch.__version__, python=platform.python_version())
-    print(f"# {', '.join(scorings)} scoring vs exact scoring of the anchors' selection  ({header['machine']}, torch {header['torch']})")
+    print(f"# {', '.join(scorings)} scoring vs exact scoring of the anchors' selection  ({header['machine']}, "
+          f"torch {header['torch']})")
     model, tok = load_model(None, device="cpu", dtype=torch.float32)
     plan = shipped_plan(model, "default")
     rows = model_rows(model, tok, plan.budget, a.length, a.windows, a.seed, scorings)

@@ -45,9 +45,8 @@ from ..selection import Selection
 from ..step import decode_meta
 from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
-from . import fp8 as fp8_kernels, int8 as int8_kernels
 from .fp8 import fp8_operand as _fp8_operand
-from .int8 import scoring_mma
+from .int8 import quantizer, scoring_mma
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -430,9 +429,9 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
     selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
     rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32. ``fp8``: ``(sq [B, HQ, 1],
-    sk [B, H, N])``, the scales of e4m3 / int8 ``q`` and ``k`` (the scoring pass of FP8 / INT8 scoring). ``fused_merge``: whether the
-    row's last program merges (one launch) or :func:`_merge_kernel` does (a second launch); default: fused, but
-    while a CUDA graph is being captured."""
+    sk [B, H, N])``, the scales of e4m3 / int8 ``q`` and ``k`` (the scoring pass of FP8 / INT8 scoring).
+    ``fused_merge``: whether the row's last program merges (one launch) or :func:`_merge_kernel` does (a second
+    launch); default: fused, but while a CUDA graph is being captured."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -567,11 +566,10 @@ def select_decode_indices(q, k, *, budget: Budget, scale, kv_start=None, q_offse
     fp8 = None
     if budget.score_dtype is not None:
         assert block_table is None, "FP8 / INT8 scoring of a paged cache is not supported"
-        quantize = {"fp8": fp8_kernels.quantize, "int8": int8_kernels.quantize}[budget.score_dtype]
-        k8, sk = k_quant if k_quant is not None else quantize(k)
-        assert k8.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[budget.score_dtype], k8.dtype
-        assert k8.shape == k.shape and sk.shape == k.shape[:3] and sk.stride(-1) == 1
+        quantize = quantizer(budget.score_dtype)
         q, sq = quantize(q)
+        k8, sk = k_quant if k_quant is not None else quantize(k)
+        assert k8.dtype == q.dtype and k8.shape == k.shape and sk.shape == k.shape[:3] and sk.stride(-1) == 1, k8.dtype
         k, fp8 = k8, (sq, sk)
     _, Stats, Sc, Pooled, Hist, S = _run_split(q, k, None, None, meta, block_table, None, scale=scale,
                                                n_keys=meta.n_max, sparse=False, has_v=False, write_scores=True,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .fp8 import E4M3, fp8_mma
+from .fp8 import E4M3, fp8_mma, quantize as fp8_quantize
 
 # Whether INT8 scoring's dots may use the int8 tensor cores (see int8_mma); a switch for a benchmark to compare.
 INT8_TENSOR_CORES = True
@@ -28,6 +28,11 @@ def int8_mma(device: torch.device, D: int) -> bool:
     on bf16 ones."""
     return (INT8_TENSOR_CORES and not interpreting() and device.type == "cuda" and D >= 32
             and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def quantizer(score_dtype: str):
+    """The one-pass quantiser of ``Budget.score_dtype`` "fp8" or "int8": ``x -> (x8, scale)``."""
+    return {"fp8": fp8_quantize, "int8": quantize}[score_dtype]
 
 
 def scoring_mma(dtype: torch.dtype, device: torch.device, D: int) -> bool:

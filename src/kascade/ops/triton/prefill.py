@@ -39,10 +39,10 @@ from ...budget import Budget
 from .. import prefill_chunks
 from ..selection import Selection
 from . import topk
-from . import fp8 as fp8_kernels, int8 as int8_kernels
+from . import fp8 as fp8_kernels
 from .common import LOG2E, cdiv, dot, flags, next_power_of_2, num_sms, to_out
 from .fp8 import fp8_operand as _fp8_operand
-from .int8 import scoring_mma
+from .int8 import quantizer, scoring_mma
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -610,7 +610,7 @@ def quantized(q, k, score_dtype: str = "fp8") -> tuple:
     """FP8 / INT8 scoring's inputs (:mod:`kascade.ops.fp8`, :mod:`kascade.ops.int8`): ``(q8, k8, sq [B, HQ, L], sk
     [B, H, N])``, each head vector e4m3 with its power-of-two scale or int8 with its scale, by the one-pass kernels
     (:func:`kascade.ops.triton.fp8.quantize`, :func:`kascade.ops.triton.int8.quantize`)."""
-    quantize = {"fp8": fp8_kernels.quantize, "int8": int8_kernels.quantize}[score_dtype]
+    quantize = quantizer(score_dtype)
     (q8, sq), (k8, sk) = quantize(q), quantize(k)
     return q8, k8, sq, sk
 
