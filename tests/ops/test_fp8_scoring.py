@@ -13,24 +13,12 @@ from kascade import ops
 from kascade.budget import Budget
 from kascade.ops import fp8, reference as R
 from kascade.plan import KascadePlan, ModelFingerprint, Reuse
+from scoring_checks import inputs, same_selection
 from tiny_model import tiny_llama
-
-
-def _inputs(B, HQ, H, N, L, D, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in ((B, HQ, L, D), (B, H, N, D),
-                                                                                 (B, H, N, D))]
 
 
 def _fp8(budget: Budget) -> Budget:
     return dataclasses.replace(budget, score_dtype="fp8")
-
-
-def _same(a, b):
-    assert a.decode == b.decode and a.ranked == b.ranked and a.tile == b.tile
-    assert torch.equal(a.indices, b.indices) and torch.equal(a.row_start, b.row_start)
-    if a.kept is not None or b.kept is not None:
-        assert torch.equal(a.kept, b.kept)
 
 
 # (B, HQ, H, N, L, q_offset, D, tile, k_min, ratio); kv_start [0, 5, ...]: every sequence after the first is left-padded
@@ -48,14 +36,14 @@ IDS = ["B{}-HQ{}-H{}-N{}-L{}-off{}-D{}-T{}-kmin{}-r{}".format(*c) for c in CASES
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fp8_selection_is_the_exact_selection_of_the_rounded_vectors(case, rank_factor):
     B, HQ, H, N, L, off, D, T, k_min, ratio = case
-    q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N + L)
+    q, k, _ = inputs(B, HQ, H, N, L, D, seed=N + L)
     exact = Budget(ratio=ratio, k_min=k_min, tile=T)
     kw = dict(scale=D ** -0.5, kv_start=torch.tensor([0, 5][:B]), q_offset=off, rank_factor=rank_factor)
     got = R.select(q, k, budget=_fp8(exact), **kw)
     want = R.select(fp8.rounded(q), fp8.rounded(k), budget=exact, **kw)
-    _same(got, want)
+    same_selection(got, want)
     # the public op (host geometry) selects the same
-    _same(ops.select(q, k, budget=_fp8(exact), **kw), want)
+    same_selection(ops.select(q, k, budget=_fp8(exact), **kw), want)
 
 
 def test_the_cases_are_not_vacuous():
@@ -63,7 +51,7 @@ def test_the_cases_are_not_vacuous():
     compare selections that differ from the exact one."""
     differs = []
     for B, HQ, H, N, L, off, D, T, k_min, ratio in CASES:
-        q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N + L)
+        q, k, _ = inputs(B, HQ, H, N, L, D, seed=N + L)
         kw = dict(scale=D ** -0.5, kv_start=torch.tensor([0, 5][:B]), q_offset=off)
         exact = Budget(ratio=ratio, k_min=k_min, tile=T)
         differs.append(not torch.equal(R.select(q, k, budget=exact, **kw).indices,
@@ -76,7 +64,7 @@ def test_fp8_selection_matches_the_brute_force_spec_on_rounded_vectors(case):
     """Sets against tests/ops/brute_force.py on the rounded vectors (fp64), and the sparse output over them is the
     masked attention of the *exact* q, k, v: FP8 picks keys, it does not compute outputs."""
     B, HQ, H, N, L, off, D, T, k_min, ratio = case
-    q, k, v = _inputs(B, HQ, H, N, L, D, dtype=torch.float64, seed=N + L)
+    q, k, v = inputs(B, HQ, H, N, L, D, dtype=torch.float64, seed=N + L)
     budget = Budget(ratio=ratio, k_min=k_min, tile=T, score_dtype="fp8")
     kw = dict(kv_start=torch.tensor([0, 5][:B]), q_offset=off)
     sel = ops.select(q, k, budget=budget, scale=D ** -0.5, **kw)
@@ -94,15 +82,15 @@ def test_fp8_selection_matches_the_brute_force_spec_on_rounded_vectors(case):
 @pytest.mark.parametrize("rank_factor", [None, 0.5], ids=["set", "ranked"])
 def test_fp8_selection_by_mass_is_the_exact_one_of_the_rounded_vectors(case, rank_factor):
     B, HQ, H, N, L, off, D, T, k_min, ratio = case
-    q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N + L)
+    q, k, _ = inputs(B, HQ, H, N, L, D, seed=N + L)
     exact = Budget(ratio=ratio, k_min=k_min, tile=T, mass=0.7)
     kw = dict(scale=D ** -0.5, kv_start=torch.tensor([0, 5][:B]), q_offset=off)
     got = R.select_by_mass(q, k, budget=_fp8(exact), factor=rank_factor, **kw)
-    _same(got, R.select_by_mass(fp8.rounded(q), fp8.rounded(k), budget=exact, factor=rank_factor, **kw))
-    _same(ops.select(q, k, budget=_fp8(exact), rank_factor=rank_factor, **kw), got)
+    same_selection(got, R.select_by_mass(fp8.rounded(q), fp8.rounded(k), budget=exact, factor=rank_factor, **kw))
+    same_selection(ops.select(q, k, budget=_fp8(exact), rank_factor=rank_factor, **kw), got)
     # layer 0 selects exactly, by mass too
     _, sel0 = ops.dense_select(q, k, k, budget=_fp8(exact), rank_factor=rank_factor, **kw)
-    _same(sel0, R.select_by_mass(q, k, budget=exact, factor=rank_factor, **kw))
+    same_selection(sel0, R.select_by_mass(q, k, budget=exact, factor=rank_factor, **kw))
 
 
 @pytest.mark.parametrize("rank_factor", [None, 2.0], ids=["set", "ranked"])
@@ -111,7 +99,7 @@ def test_static_cache_decode_scores_fp8_like_the_host_form(rank_factor):
     the keys of the per-sequence form, unused slots holding NaN."""
     B, N, slot = 3, 50, 41
     kv_start = [0, 9, 30]
-    q, k, v = _inputs(B, 6, 3, N, 1, 16, seed=4)
+    q, k, v = inputs(B, 6, 3, N, 1, 16, seed=4)
     k[:, :, slot + 1:] = float("nan")
     budget = Budget(ratio=0.25, k_min=4, score_dtype="fp8")
     host = ops.plan_step(q, k, budget=budget, kv_start=torch.tensor(kv_start), q_offset=slot)
@@ -174,7 +162,7 @@ def test_triton_serves_fp8_scoring_through_the_public_op(monkeypatch):
     monkeypatch.undo()
 
     for L in (1, 40):  # decode, prefill
-        q, k, _ = _inputs(2, 6, 2, 70, L, 32, dtype=torch.bfloat16, seed=L)
+        q, k, _ = inputs(2, 6, 2, 70, L, 32, dtype=torch.bfloat16, seed=L)
         kv = {"kv_start": torch.tensor([0, 9]), "q_offset": 70 - L}
         budget = Budget(ratio=0.25, k_min=6, tile=8, score_dtype="fp8")
         want = ops.select(q, k, budget=budget, backend="reference", **kv)

@@ -14,6 +14,7 @@ from kascade import ops
 from kascade.budget import Budget
 from kascade.ops import int8, reference as R
 from kascade.plan import KascadePlan, ModelFingerprint
+from scoring_checks import inputs, same_selection
 from tiny_model import tiny_llama
 
 
@@ -51,19 +52,10 @@ def test_budget_takes_int8_and_names_the_choices():
 
 
 # -- the selection ------------------------------------------------------------------------------------------------
-def _inputs(B, HQ, H, N, L, D, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in ((B, HQ, L, D), (B, H, N, D),
-                                                                                 (B, H, N, D))]
 
 
 def _int8(budget: Budget) -> Budget:
     return dataclasses.replace(budget, score_dtype="int8")
-
-
-def _same(a, b):
-    assert a.decode == b.decode and a.ranked == b.ranked and a.tile == b.tile
-    assert torch.equal(a.indices, b.indices) and torch.equal(a.row_start, b.row_start)
 
 
 # (B, HQ, H, N, L, q_offset, D, tile, k_min, ratio); kv_start [0, 5]: the second sequence is left-padded
@@ -81,19 +73,19 @@ IDS = ["B{}-HQ{}-H{}-N{}-L{}-off{}-D{}-T{}-kmin{}-r{}".format(*c) for c in CASES
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_int8_selection_is_the_exact_selection_of_the_rounded_vectors(case, rank_factor):
     B, HQ, H, N, L, off, D, T, k_min, ratio = case
-    q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N + L)
+    q, k, _ = inputs(B, HQ, H, N, L, D, seed=N + L)
     exact = Budget(ratio=ratio, k_min=k_min, tile=T)
     kw = dict(scale=D ** -0.5, kv_start=torch.tensor([0, 5][:B]), q_offset=off, rank_factor=rank_factor)
     want = R.select(int8.rounded(q), int8.rounded(k), budget=exact, **kw)
-    _same(R.select(q, k, budget=_int8(exact), **kw), want)
-    _same(ops.select(q, k, budget=_int8(exact), **kw), want)  # the public op
+    same_selection(R.select(q, k, budget=_int8(exact), **kw), want)
+    same_selection(ops.select(q, k, budget=_int8(exact), **kw), want)  # the public op
 
 
 def test_the_cases_are_not_vacuous():
     """On every case's inputs INT8 rounding selects other keys than exact scoring somewhere."""
     differs = []
     for B, HQ, H, N, L, off, D, T, k_min, ratio in CASES:
-        q, k, _ = _inputs(B, HQ, H, N, L, D, seed=N + L)
+        q, k, _ = inputs(B, HQ, H, N, L, D, seed=N + L)
         kw = dict(scale=D ** -0.5, kv_start=torch.tensor([0, 5][:B]), q_offset=off)
         exact = Budget(ratio=ratio, k_min=k_min, tile=T)
         differs.append(not torch.equal(R.select(q, k, budget=exact, **kw).indices,
@@ -105,7 +97,7 @@ def test_int8_selection_matches_the_brute_force_spec_on_rounded_vectors():
     """Sets against tests/ops/brute_force.py on the rounded vectors (fp64); the sparse output over them is the
     masked attention of the *exact* q, k, v: INT8 picks keys, it does not compute outputs."""
     B, HQ, H, N, L, off, D, T, k_min, ratio = CASES[3]
-    q, k, v = _inputs(B, HQ, H, N, L, D, dtype=torch.float64, seed=N + L)
+    q, k, v = inputs(B, HQ, H, N, L, D, dtype=torch.float64, seed=N + L)
     budget = Budget(ratio=ratio, k_min=k_min, tile=T, score_dtype="int8")
     kw = dict(kv_start=torch.tensor([0, 5][:B]), q_offset=off)
     sel = ops.select(q, k, budget=budget, scale=D ** -0.5, **kw)
@@ -122,7 +114,7 @@ def test_int8_selection_matches_the_brute_force_spec_on_rounded_vectors():
 def test_static_cache_decode_scores_int8_like_the_host_form():
     B, N, slot = 3, 200, 181
     kv_start = [0, 9, 30]
-    q, k, _ = _inputs(B, 6, 3, N, 1, 16, seed=4)
+    q, k, _ = inputs(B, 6, 3, N, 1, 16, seed=4)
     k[:, :, slot + 1:] = float("nan")  # unused slots of a static cache
     budget = Budget(ratio=0.25, k_min=4, score_dtype="int8")
     host = ops.plan_step(q, k, budget=budget, kv_start=torch.tensor(kv_start), q_offset=slot)
@@ -163,7 +155,7 @@ def test_triton_serves_int8_scoring_through_the_public_op(monkeypatch):
     monkeypatch.undo()
     budget = Budget(ratio=0.25, k_min=6, tile=8, score_dtype="int8")
     for L in (1, 40):  # decode, prefill
-        q, k, _ = _inputs(2, 6, 2, 170, L, 32, dtype=torch.bfloat16, seed=L)
+        q, k, _ = inputs(2, 6, 2, 170, L, 32, dtype=torch.bfloat16, seed=L)
         kv = {"kv_start": torch.tensor([0, 9]), "q_offset": 170 - L}
         want = ops.select(q, k, budget=budget, backend="reference", **kv)
         got = ops.select(dev(q), dev(k), budget=budget, backend="triton", **kv)
@@ -184,7 +176,7 @@ def test_the_jax_ops_refuse_int8_scoring():
 
     from kascade import jax as kjax
 
-    q, k, _ = (np.asarray(x) for x in _inputs(1, 2, 1, 8, 1, 4))
+    q, k, _ = (np.asarray(x) for x in inputs(1, 2, 1, 8, 1, 4))
     with pytest.raises(ValueError, match="INT8 scoring"):
         kjax.select(q, k, budget=Budget(score_dtype="int8"))
 

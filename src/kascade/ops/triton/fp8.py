@@ -78,15 +78,22 @@ def _quantize_kernel(X, X8, Scale, rows, stride_r, D: tl.constexpr, DP: tl.const
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kascade.ops.fp8.quantize` in one kernel: ``x [..., D]`` (last dim contiguous, the others viewable as
     rows) -> ``(x8 [..., D] float8_e4m3fn contiguous, scale [...] fp32)``."""
+    return launch_quantize(_quantize_kernel, x, E4M3)
+
+
+def launch_quantize(kernel, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of a one-pass quantisation ``kernel`` (this module's, or INT8 scoring's) over the ``D``-vectors of
+    ``x [..., D]`` (last dim contiguous, the others viewable as rows): ``(x8 [..., D] dtype contiguous, scale [...]
+    fp32)``. The kernels take ``(X, X8, Scale, rows, stride_r, D, DP, BLOCK_R)``."""
     D = x.shape[-1]
     assert x.stride(-1) == 1
     lead = x.shape[:-1]
     flat = x.reshape(-1, D)  # a view for the layouts the ops take (a copy otherwise)
     rows = flat.shape[0]
-    x8 = torch.empty(lead + (D,), dtype=E4M3, device=x.device)
+    x8 = torch.empty(lead + (D,), dtype=dtype, device=x.device)
     s = torch.empty(lead, dtype=torch.float32, device=x.device)
     if rows:
         block_r = max(1, min(64, 4096 // D))
-        _quantize_kernel[(triton.cdiv(rows, block_r),)](flat, x8, s, rows, flat.stride(0), D=D,
-                                                       DP=triton.next_power_of_2(D), BLOCK_R=block_r, num_warps=4)
+        kernel[(triton.cdiv(rows, block_r),)](flat, x8, s, rows, flat.stride(0), D=D, DP=triton.next_power_of_2(D),
+                                              BLOCK_R=block_r, num_warps=4)
     return x8, s

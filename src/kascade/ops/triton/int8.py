@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .fp8 import E4M3, fp8_mma, quantize as fp8_quantize
+from .fp8 import E4M3, fp8_mma, launch_quantize, quantize as fp8_quantize
 
 # Whether INT8 scoring's dots may use the int8 tensor cores (see int8_mma); a switch for a benchmark to compare.
 INT8_TENSOR_CORES = True
@@ -62,15 +62,4 @@ def _quantize_kernel(X, X8, Scale, rows, stride_r, D: tl.constexpr, DP: tl.const
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kascade.ops.int8.quantize` in one kernel: ``x [..., D]`` (last dim contiguous, the others viewable as
     rows) -> ``(x8 [..., D] int8 contiguous, scale [...] fp32)``."""
-    D = x.shape[-1]
-    assert x.stride(-1) == 1
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, D)  # a view for the layouts the ops take (a copy otherwise)
-    rows = flat.shape[0]
-    x8 = torch.empty(lead + (D,), dtype=torch.int8, device=x.device)
-    s = torch.empty(lead, dtype=torch.float32, device=x.device)
-    if rows:
-        block_r = max(1, min(64, 4096 // D))
-        _quantize_kernel[(triton.cdiv(rows, block_r),)](flat, x8, s, rows, flat.stride(0), D=D,
-                                                       DP=triton.next_power_of_2(D), BLOCK_R=block_r, num_warps=4)
-    return x8, s
+    return launch_quantize(_quantize_kernel, x, torch.int8)
