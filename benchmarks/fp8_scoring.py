@@ -176,12 +176,13 @@ def main(argv=None):
             for N in ns:
                 res["prefill"].append(prefill_row(name, HQ, H, D, N))
                 torch.cuda.empty_cache()
+                (out / "fp8_scoring.json").write_text(json.dumps(res, indent=1))  # an interrupted run keeps its rows
         if "decode" in parts:
             for B in ((1,) if args.quick else (1, 32)):
                 for N in ns:
                     res["decode"].append(decode_row(name, HQ, H, D, B, N))
                     torch.cuda.empty_cache()
-        (out / "fp8_scoring.json").write_text(json.dumps(res, indent=1))
+                    (out / "fp8_scoring.json").write_text(json.dumps(res, indent=1))
     log("wrote", out / "fp8_scoring.json")
 
 
