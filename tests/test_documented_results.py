@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import tables
+from benchmarks.common import accuracy_tables, tables
 from kascade import KascadePlan, costs
 
 ROOT = Path(__file__).parents[1]
@@ -113,7 +113,7 @@ def test_the_h100_bench_times_every_decode_mode_of_each_configuration():
 # -- figures in the prose of the manual's other pages -------------------------------------------------------------
 def test_concepts_attended_fraction():
     (pct,) = _find(r"about\s+([\d.]+)% at 8K for a 10% budget", _text(DOCS / "concepts.md"))
-    _shown(pct, 100 * tables.heldout_means()["kascade"]["attended"])
+    _shown(pct, 100 * accuracy_tables.heldout_means()["kascade"]["attended"])
 
 
 def test_concepts_fp8_scoring_sentence():

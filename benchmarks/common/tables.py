@@ -8,32 +8,23 @@ benchmarks.tables`` rewrites the README and the manual after a results file chan
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
-from functools import cache
-from importlib import resources
 from pathlib import Path
 
 from kascade import Budget, KascadePlan, ModelFingerprint, costs
-from kascade.eval.results import wilson
 from kascade.plan.shipped import shipped_plans
 from kascade.tensor_parallel import step_exchange_bytes
+
+from .accuracy_tables import (anchor_adaptation, fp8_fidelity, fp8_selection, heldout, mass_budgets, needle,
+                              needle_phases, plans_accuracy, retrieval_plan)
+from .cells import MODEL_NAMES, _n, _row, _sig, _table, _x, results
 
 ROOT = Path(__file__).resolve().parents[2]
 CARDS = ("h100", "h200")
 MARK = re.compile(r"(<!-- results:([\w-]+)((?: [\w-]+)*) -->\n)(.*?)(<!-- /results -->)", re.S)
-MODEL_NAMES = {"llama-3.1-8b": "Llama-3.1-8B", "smollm2-135m": "SmolLM2-135M", "llama8b": "Llama-3.1-8B shapes",
-               "default": "SmolLM2-135M"}
 LLAMA = ModelFingerprint("llama", 32, 32, 8, 128)
 SMOL = ModelFingerprint("llama", 30, 9, 3, 64)
-SCORINGS = {"exact": "exact (default)", "fp8": "FP8", "int8": "INT8", "bf16": "bf16 rounding (reference point)"}
-
-
-@cache
-def results(name: str) -> dict:
-    """One results file: ``h100``, ``h200`` or ``accuracy``."""
-    return json.loads((resources.files("kascade") / "results" / f"{name}.json").read_text())
 
 
 def pages() -> list[Path]:
@@ -49,31 +40,6 @@ def blocks(text: str) -> list[tuple[str, tuple[str, ...], str]]:
 def render(text: str) -> str:
     """``text`` with every block's body rendered from the data."""
     return MARK.sub(lambda m: m.group(1) + BLOCKS[m.group(2)](*m.group(3).split()) + "\n" + m.group(5), text)
-
-
-# -- formatting ---------------------------------------------------------------------------------------------------
-def _n(x: int) -> str:
-    """A length in K tokens."""
-    return f"{x // 1024}K"
-
-
-def _x(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}x"
-
-
-def _sig(x: float, digits: int = 3) -> str:
-    """``digits`` significant digits, no exponent."""
-    return "0" if x == 0 else f"{x:.{max(0, digits - 1 - int(f'{abs(x):e}'.split('e')[1]))}f}"
-
-
-def _table(head: list[str], rows: list[list]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)])
-
-
-def _row(rows, **key) -> dict:
-    (r,) = [r for r in rows if all(r[k] == v for k, v in key.items())]
-    return r
 
 
 def _bench(card: str, batch: int, length: int = 131072) -> dict:
@@ -264,134 +230,6 @@ def plan_speed() -> str:
                      _x(p["modelled"])])
     return _table(["plan", "anchors", f"decode B={dec['batch']}, {_n(dec['length'])}: measured", "modelled",
                    f"prefill B={pre['batch']}, {_n(pre['length'])}: measured", "modelled"], rows)
-
-
-# -- accuracy -----------------------------------------------------------------------------------------------------
-def heldout_means() -> dict[str, dict[str, float]]:
-    """Per strategy, the mean agreement / KL / attended over the five held-out 8K windows."""
-    out = {}
-    windows = results("accuracy")["heldout_8k"]["windows"]
-    for name in dict.fromkeys(w["strategy"] for w in windows):
-        mine = [w for w in windows if w["strategy"] == name]
-        out[name] = {k: statistics.mean(w[k] for w in mine) for k in ("agreement", "kl", "attended")}
-        out[name]["windows"] = len(mine)
-    return out
-
-
-STRATEGY_NAMES = {"kascade": "Kascade, the default plan", "kascade-faithful": "Kascade, the paper's method "
-                  "(`\"faithful\"`)", "streamingllm": "StreamingLLM (4 sinks + recent keys)", "quest": "Quest "
-                  "(16-key pages)"}
-
-
-def heldout() -> str:
-    rows = [[STRATEGY_NAMES[n], f"{m['agreement']:.3f}", f"{m['kl']:.3f}", f"{m['attended']:.3f}"]
-            for n, m in heldout_means().items()]
-    return _table(["strategy", "agreement with dense", "KL (nats)", "keys attended"], rows)
-
-
-def plans_accuracy() -> str:
-    rows = []
-    for r in results("accuracy")["plans"]["rows"]:
-        cells = [f"**{r['description']}**" if r["plan"] == "default" else r["description"]]
-        for n in ("4096", "8192"):
-            c = r[n]
-            cells.append(f"{c['agreement']:.3f} / {c['kl']:.3f}")
-        rows.append(cells)
-    return _table(["plan (6 anchors of 30)", "4K: agreement / KL", "8K: agreement / KL"], rows)
-
-
-def needle() -> str:
-    """The needle suite: each task and length, dense and the default plan, with their 95% intervals."""
-    def cell(x):
-        return f"{x['score']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"
-
-    rows = [[f"`{r['task']}`", _n(r["length"]), r["samples"], cell(r["dense"]), cell(r["kascade"]),
-             f"{r['kascade']['attended']:.3f}"] for r in results("accuracy")["needle"]["rows"]]
-    return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "keys attended"], rows)
-
-
-def mass_budgets() -> str:
-    """Budgets by attention mass against the budget by count, per plan."""
-    names = {"default": "default plan", "oracle": "every layer selects (oracle)"}
-    rows = [[names[r["plan"]], "by count" if r["mass"] is None else f"mass {r['mass']}, cap {r['cap']}",
-             f"{r['agreement']:.3f}", f"{r['kl']:.4f}", f"{r['attended']:.3f}"]
-            for r in results("accuracy")["mass"]["rows"]]
-    return _table(["plan", "budget", "agreement", "KL (nats)", "keys attended"], rows)
-
-
-def adaptation_table(rows: list[dict]) -> str:
-    """Anchors per input against anchors once (``benchmarks.anchor_adaptation``'s rows: plan, window, agreement,
-    kl): means over windows, and each plan's per-window change of agreement against the calibrated plan's."""
-    plans = list(dict.fromkeys(r["plan"] for r in rows))
-    cal = {r["window"]: r["agreement"] for r in rows if r["plan"] == "calibrated"}
-    out = []
-    for name in plans:
-        rs = [r for r in rows if r["plan"] == name]
-        d = [r["agreement"] - cal[r["window"]] for r in rs if r["window"] in cal]
-        out.append([name, len(rs), f"{statistics.mean(r['agreement'] for r in rs):.4f}",
-                    f"{statistics.mean(r['kl'] for r in rs):.4f}",
-                    "-" if name == "calibrated" or not d else
-                    f"{min(d):+.4f} / {statistics.mean(d):+.4f} / {max(d):+.4f}",
-                    "-" if name == "calibrated" or not d else f"{sum(x > 0 for x in d)} / {sum(x < 0 for x in d)}"])
-    return _table(["anchors chosen", "windows", "agreement", "KL (nats)",
-                   "change of agreement per window: min / mean / max", "windows better / worse"], out)
-
-
-def needle_phases() -> str:
-    """Where the default plan loses the needle: each way's pass rate with its 95% Wilson interval."""
-    t = results("accuracy")["needle_phases"]
-    rows = []
-    for r in t["rows"]:
-        lo, hi = wilson(r["passed"], r["samples"])
-        rows.append([f"`{r['way']}`", r["what"], r["samples"], f"{r['passed'] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]"])
-    return _table(["way", "prefill and decode", "samples", "pass rate [95% interval]"], rows)
-
-
-def retrieval_plan() -> str:
-    """The shipped "retrieval" plan against the default: held-out fidelity, needles answered (paired), and the
-    diagnosis that led to it (which reuse layers, selecting their own keys, bring the needle back)."""
-    t = results("accuracy")["retrieval_plan"]
-    rows = [[f"agreement / KL, {_n(r['length'])} ({r['windows']} held-out windows, CPU)",
-             *(f"{r[p]['agreement']:.3f} / {r[p]['kl']:.3f}" for p in ("default", "retrieval")), ""]
-            for r in t["fidelity"]["rows"]]
-    for r in t["needle"]:
-        where = f"{'H100' if 'H100' in r['machine'] else 'CPU'}, {'Triton' if 'Triton backend' in r['machine'] else 'reference'}"
-        cells = []
-        for p in ("default", "retrieval"):
-            lo, hi = wilson(r[p], r["samples"])
-            cells.append(f"{r[p] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]")
-        rows.append([f"{r['task']} {_n(r['length'])}, {r['samples']} samples ({where})", *cells,
-                     f"{r['retrieval_only']} / {r['default_only']}"])
-    d = t["diagnosis"]
-    diag = [[r["selecting"], f"{r['passed']} of {d['samples']}"] for r in d["rows"]]
-    return (_table(["measure", "default", "retrieval", "answered by one plan only: retrieval / default"], rows)
-            + "\n\n" + _table(["reuse layers that select their own keys (needle_passkey 2K, CPU)", "answered"],
-                                diag))
-
-
-def anchor_adaptation() -> str:
-    """Anchors per input against anchors once per model (issue 39's item 3)."""
-    return adaptation_table(results("accuracy")["anchor_adaptation"]["rows"])
-
-
-def fp8_selection() -> str:
-    """Low-precision scoring's selection against exact scoring's, per scoring and shape: the exact selection's keys
-    it keeps and the share of its pooled probability captured, min / mean over layers (or random draws)."""
-    names = {"model": "default model, eval windows", "llama8b-random-bf16": "Llama-3.1-8B shapes, random bf16"}
-    rows = [[SCORINGS[r["scoring"]], names[r["inputs"]], r["kind"], _n(r["length"]), r["layers"],
-             f"{r['kept_min']:.3f} / {r['kept_mean']:.3f}", f"{r['mass_min']:.4f} / {r['mass_mean']:.4f}"]
-            for r in results("accuracy")["fp8"]["selection"]]
-    return _table(["scoring", "inputs", "rows", "tokens", "layers", "keys kept: min / mean",
-                   "mass captured: min / mean"], rows)
-
-
-def fp8_fidelity() -> str:
-    """The default plan with exact and with low-precision scoring, teacher-forced against dense, per length."""
-    t = results("accuracy")["fp8"]["fidelity"]
-    lengths = sorted({r["length"] for r in t})
-    rows = [[SCORINGS[s]] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t if (r["scoring"], r["length"])
-                                  == (s, n)) for n in lengths] for s in SCORINGS if any(r["scoring"] == s for r in t)]
-    return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
 
 
 def fp8_speed() -> str:

@@ -214,7 +214,10 @@ def test_enabling_fp8_scoring_on_triton_says_what_decode_costs(recwarn):
     """On the Triton backend a plan with FP8 scoring warns that decode re-quantises each anchor's keys every step (no
     silent slowdown); on the reference, which has no speed to lose, it does not."""
     pytest.importorskip("triton")
-    model = tiny_llama(head_dim=16)  # a head dim the Triton kernels serve
+    from kernel_checks import DEVICE
+
+    # a head dim the Triton kernels serve, on their device (the interpreter's CPU, or the GPU in GPU mode)
+    model = tiny_llama(head_dim=16).to(DEVICE)
     fp = ModelFingerprint.from_model(model)
     plan = KascadePlan(fp, (0, 2), ((0, 1),) * 4, ratio=0.25, k_min=4, tile=8).with_budget(score_dtype="fp8")
     with pytest.warns(UserWarning, match="FP8 scoring .* quantises its layer's whole key cache"):
