@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import accuracy_tables, tables
+from benchmarks.common.cells import _row
 from kascade import KascadePlan, costs
 
 ROOT = Path(__file__).parents[1]
@@ -149,6 +150,37 @@ def test_concepts_int8_scoring_sentence():
     for key, bound in (("agreement", agree), ("kl", kl)):
         step = 10 ** -len(bound.split(".")[1])
         assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
+
+
+def test_kernels_low_precision_speed_sentences():
+    """The kernels page's figures for FP8 and INT8 scoring are the H100 run's (results/h100.json fp8_scoring), as
+    rounded on the page: decode at Llama shapes, B = 32, 128K; prefill at 128K (anchor, model, LSE pass) and the
+    default model's prefill at 32K; and INT8's speed within the 5% of FP8's the page says."""
+    text = " ".join(_text(DOCS / "design" / "kernels.md").split())
+    fs = tables.results("h100")["fp8_scoring"]
+    dec = _row(fs["decode"], model="llama-3.1-8b", B=32, N=131072)
+    pre = _row(fs["prefill"], model="llama-3.1-8b", N=131072)
+    smol = _row(fs["prefill"], model="smollm2-135m", N=32768)
+    found = _find(r"B = 32, 128K ([\d.]+)x of dense with exact scoring, ([\d.]+)x with FP8 and ([\d.]+)x with INT8, "
+                  r"the model ([\d.]+)x -> ([\d.]+)x / ([\d.]+)x\. Prefill at 128K: the anchor ([\d.]+)x of cuDNN -> "
+                  r"([\d.]+)x \(FP8\) / ([\d.]+)x \(INT8\), the model ([\d.]+)x -> ([\d.]+)x / ([\d.]+)x; the LSE pass "
+                  r"gains least \(([\d.]+) -> ([\d.]+) / ([\d.]+) ms.*?prefill at 32K ([\d.]+)x -> ([\d.]+)x / ([\d.]+)x",
+                  text)
+    want = [dec[k + t] for k in ("anchor_x", "model_avg") for t in ("", "_fp8", "_int8")]
+    want += [pre[k + t] for k in ("anchor_x", "model_avg", "lse") for t in ("", "_fp8", "_int8")]
+    want += [smol["anchor_x" + t] for t in ("", "_fp8", "_int8")]
+    assert len(found) == len(want)
+    for shown, value in zip(found, want):
+        _shown(shown, value)
+    assert "Its speed is FP8's within 5% at Llama shapes" in text
+    concepts = " ".join(_text(DOCS / "concepts.md").split())
+    exact, quant = _find(r"anchors at Llama shapes \(([\d.]+)x of dense -> ([\d.]+)x at B = 32, 128K\)", concepts)
+    _shown(exact, dec["anchor_x"])
+    for t in ("_fp8", "_int8"):
+        _shown(quant, dec["anchor_x" + t])
+        assert pre["anchor_x" + t] > 1.20 and smol["model_avg" + t] < smol["model_avg"]
+    for r in [r for phase in ("prefill", "decode") for r in fs[phase] if r["model"] == "llama-3.1-8b"]:
+        assert abs(r["anchor_int8"] / r["anchor_fp8"] - 1) < 0.05, r
 
 
 def test_calibration_cost_model_error():

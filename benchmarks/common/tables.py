@@ -233,7 +233,7 @@ def plan_speed() -> str:
 
 
 def fp8_speed() -> str:
-    """The anchors with exact and with FP8 scoring, per shape (the H100's run of ``benchmarks.fp8_scoring``), the
+    """The anchors with exact, FP8 and INT8 scoring, per shape (the H100's run of ``benchmarks.fp8_scoring``), the
     run-12 figures of the same shape (``kernels``, exact scoring, an earlier run) beside where there is one."""
     h = results("h100")
     run12 = {(k, r["model"], r["B"], r["N"]): r for k in ("prefill", "decode") for r in h["kernels"][k]}
@@ -242,11 +242,11 @@ def fp8_speed() -> str:
         for r in h["fp8_scoring"][phase]:
             old = run12.get((phase, r["model"], r["B"], r["N"]))
             rows.append([phase, MODEL_NAMES[r["model"]], r["B"], _n(r["N"]),
-                         _x(old["anchor_x"]) if old else "-", _x(r["anchor_x"]), _x(r["anchor_x_fp8"]),
-                         _x(old["model_speedup"]) if old else "-", _x(r["model_avg"]), _x(r["model_avg_fp8"]),
-                         f"{r['kept_share']:.3f}"])
-    return _table(["phase", "shapes", "B", "N", "anchor, run 12", "anchor, exact", "anchor, FP8", "model, run 12",
-                   "model, exact", "model, FP8", "keys kept"], rows)
+                         _x(old["anchor_x"]) if old else "-", *(_x(r["anchor_x" + t]) for t in ("", "_fp8", "_int8")),
+                         _x(old["model_speedup"]) if old else "-", *(_x(r["model_avg" + t]) for t in ("", "_fp8", "_int8")),
+                         f"{r['kept_share']:.3f} / {r['kept_share_int8']:.3f}"])
+    return _table(["phase", "shapes", "B", "N", "anchor, run 12", "anchor, exact", "anchor, FP8", "anchor, INT8",
+                   "model, run 12", "model, exact", "model, FP8", "model, INT8", "keys kept: FP8 / INT8"], rows)
 
 
 # -- tensor parallelism -------------------------------------------------------------------------------------------
