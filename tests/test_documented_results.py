@@ -183,6 +183,18 @@ def test_kernels_low_precision_speed_sentences():
         assert abs(r["anchor_int8"] / r["anchor_fp8"] - 1) < 0.05, r
 
 
+def test_calibration_needle_suite_retrieval_sentence():
+    """The sentence under the needle suite's table: the retrieval plan, at the same keys attended, answers more than
+    the default in every row, by the range of points stated, and less than dense."""
+    lo, hi = _find(r"The `retrieval` plan, at the same keys attended, answers more than the\s+default in every task "
+                   r"and length, (\d+) to (\d+) points more, and still less than dense", _text(DOCS / "calibration.md"))
+    t = tables.results("accuracy")["needle"]
+    assert t["retrieval_attended_mean"] == t["default_attended_mean"]
+    gains = [round(100 * (r["retrieval"]["score"] - r["kascade"]["score"])) for r in t["rows"]]
+    assert len(gains) == 9 and (min(gains), max(gains)) == (int(lo), int(hi)), gains
+    assert all(r["retrieval"]["score"] < r["dense"]["score"] for r in t["rows"])
+
+
 def test_calibration_cost_model_error():
     (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]

@@ -45,13 +45,15 @@ def plans_accuracy() -> str:
 
 
 def needle() -> str:
-    """The needle suite: each task and length, dense and the default plan, with their 95% intervals."""
+    """The needle suite: each task and length, dense, the default plan and the retrieval plan, with their 95%
+    intervals."""
     def cell(x):
         return f"{x['score']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"
 
     rows = [[f"`{r['task']}`", _n(r["length"]), r["samples"], cell(r["dense"]), cell(r["kascade"]),
-             f"{r['kascade']['attended']:.3f}"] for r in results("accuracy")["needle"]["rows"]]
-    return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "keys attended"], rows)
+             cell(r["retrieval"]), f"{r['kascade']['attended']:.3f}"] for r in results("accuracy")["needle"]["rows"]]
+    return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "Kascade (`retrieval` plan)",
+                   "keys attended"], rows)
 
 
 def mass_budgets() -> str:
