@@ -47,6 +47,7 @@ from . import topk
 from .common import LOG2E, cdiv, dot, flags, interpreting, next_power_of_2, num_sms, to_out
 from .fp8 import fp8_operand as _fp8_operand
 from .int8 import quantizer, scoring_mma
+from .launch import launch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,6 +348,7 @@ class _Plan:
     sc: int  # offset of Sc
     pooled: int  # offset of Pooled
     size: int  # elements of the scratch
+    variants: dict = field(default_factory=dict, compare=False)  # (page, merged) -> the launch's constexprs: one dict
 
 
 def _merge_block(S: int, D: int) -> int:
@@ -463,16 +465,19 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     assert (fp8 is not None) == (q.dtype in (torch.float8_e4m3fn, torch.int8))
     assert fp8 is None or not (has_v or paged)
     sq, sk = fp8 if fp8 is not None else (ws, ws)
-    _split_kernel[(p.S, H, B)](
+    consts = p.variants.get((page, fused))
+    if consts is None:
+        consts = p.variants[(page, fused)] = dict(PAGE=max(page, 1), MERGE=fused, **p.consts)
+    launch(_split_kernel, (p.S, H, B), (
         q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
         meta.tensor if meta is not None else ws, block_table if paged else ws, out if out is not None else ws, ws,
         done, Sc, Hist, sq, sk,
+    ), (
         qs[0], qs[1], *ks, *vs,
         istr[0], istr[1],
         block_table.stride(0) if paged else 0, os_[0], os_[1],
         n_keys, p.per, sc_row, scale * LOG2E, *(sk.stride()[:2] if fp8 is not None else (0, 0)),
-        PAGE=max(page, 1), MERGE=fused, **p.consts,
-    )
+    ), consts)
     if merged and not fused:
         c = p.consts
         _merge_kernel[(H * G, B)](out, ws, p.S, os_[0], os_[1], H=H, G=G, D=D, SB=c["SB"], RNE=c["RNE"],

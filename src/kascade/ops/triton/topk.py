@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, next_power_of_2
+from .launch import config, launch
 
 # Radix selection on the bit pattern of the (non-negative) fp32 values (pooled probabilities). The first
 # histogram counts the exponent and the top FIRST_BITS mantissa bits, relative to an upper bound of the k-th largest
@@ -332,10 +333,11 @@ def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H,
     r % out_rows]``."""
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     for level in (2, 3, 4, 5):
-        _radix_kernel[(C, rows)](vals, meta, Hist, State, Cnt, sc_row, C, mass, H=H, CH=ch, NHIST=NHIST,
-                                 LEVEL=level)
-    _write_kernel[(C, rows)](vals, meta, State, Cnt, out, sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1),
-                             H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged)
+        launch(_radix_kernel, (C, rows), (vals, meta, Hist, State, Cnt), (sc_row, C, mass),
+               config(H=H, CH=ch, NHIST=NHIST, LEVEL=level))
+    launch(_write_kernel, (C, rows), (vals, meta, State, Cnt, out),
+           (sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1)),
+           config(H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged))
 
 
 def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -359,9 +361,8 @@ def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None
     Pooled = pooled if pooled is not None else torch.empty(rows * sc_row, dtype=torch.float32, device=dev)
     State = torch.empty(rows, 8, dtype=torch.int32, device=dev)
     radix = method == "radix"
-    _pool_kernel[(C, rows)](Sc, Stats, meta.tensor, Pooled, Hist, State, sc_row, S, H=H, G=G,
-                            GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST,
-                            HIST=radix)
+    launch(_pool_kernel, (C, rows), (Sc, Stats, meta.tensor, Pooled, Hist, State), (sc_row, S),
+           config(H=H, G=G, GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST, HIST=radix))
     if radix:
         indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)

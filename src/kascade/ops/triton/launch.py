@@ -1,0 +1,90 @@
+"""Kernel launches with less of Triton's per-call host work, for the eager decode step (batch 1 waits for the host).
+
+``kernel[grid](*args, **constexprs)`` binds every argument by name, specialises each one (a tensor's dtype and
+16-byte alignment, an integer's value class), builds and hashes a cache key of all of them and the options, checks the
+kernel's globals, asks for launch metadata, and its compiled launcher then asks the driver about every pointer. On an
+H100 host that is 27.5 us for the decode split kernel (53 parameters), of which the launcher's own work is 7.4 us
+and the binding and key 14.4 us (``.baseline`` profile of 2026-12-07, in issue 37's note); a reuse layer's whole
+eager call was 65.6 us.
+
+:func:`launch` keeps, per launch configuration, the compiled kernel that Triton's own first launch returned, and calls
+its launcher directly while the arguments are those that specialise the same way: the same pointer dtypes, every
+pointer 16-byte aligned, and the same scalar values (an integer's specialisation is a function of its value, and the
+float arguments are not specialised). Pointers go to the launcher as integers (no driver query a pointer: the ops
+check their tensors' device before any launch). Anything else -- a first call, a misaligned pointer, another
+scalar, Triton's interpreter, a launch hook (a profiler) -- takes Triton's own path, which then keeps the new entry.
+
+A configuration is the caller's one dict of constexprs and launch options (:func:`config` memoises them): entries are
+found by its identity and hold it, so a dict dropped and rebuilt is a new entry, never a stale one.
+
+``KASCADE_TRITON_LAUNCH=triton`` (or ``launch.FAST = False``) sends every launch through Triton's own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from .common import interpreting
+
+FAST = os.environ.get("KASCADE_TRITON_LAUNCH", "fast") != "triton"
+_ENTRIES: dict = {}
+_MAX_ENTRIES = 4096  # a dynamic cache's steps each bring new scalars (lengths, strides): emptied when it grows
+
+try:  # what the direct path needs of Triton (3.x); without it every launch is Triton's own
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _knobs = None
+
+
+@functools.lru_cache(maxsize=1024)
+def _config(items: tuple) -> dict:
+    return dict(items)
+
+
+def config(**consts) -> dict:
+    """The one dict of these constexprs and launch options (memoised): a configuration for :func:`launch`."""
+    return _config(tuple(consts.items()))
+
+
+def _tail(fn, n_args: int, consts: dict) -> tuple:
+    """The constexpr values after the ``n_args`` runtime arguments, in the kernel's parameter order (the compiled
+    launcher takes every parameter and skips the constexprs)."""
+    params = fn.params
+    if any(p.is_constexpr for p in params[:n_args]) or not all(p.is_constexpr for p in params[n_args:]):
+        raise TypeError(f"{fn.__name__}: launch() needs the runtime arguments first, then the constexprs")
+    return tuple(consts[p.name] if p.name in consts else p.default for p in params[n_args:])
+
+
+def _direct() -> bool:
+    return FAST and _knobs is not None and not interpreting() and _knobs.runtime.launch_enter_hook is None
+
+
+def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> None:
+    """``fn[grid](*tensors, *scalars, **consts)``: the kernel's pointer parameters first (``tensors``, on the current
+    CUDA device), then its scalar ones, then its constexprs and launch options (``consts``, the caller's one dict of
+    this configuration: :func:`config`)."""
+    if not _direct():
+        fn[grid](*tensors, *scalars, **consts)
+        return
+    ptrs = [t.data_ptr() for t in tensors]
+    aligned = not any(p & 15 for p in ptrs)
+    if aligned:
+        device = _driver.active.get_current_device()
+        key = (fn, id(consts), device, tuple([t.dtype for t in tensors]), scalars)
+        entry = _ENTRIES.get(key)
+        if entry is not None and entry[0] is consts:
+            kernel, tail = entry[1], entry[2]
+            g = grid + (1,) * (3 - len(grid))
+            kernel.run(g[0], g[1], g[2], _driver.active.get_current_stream(device), kernel.function,
+                       kernel.packed_metadata, None, None, None, *ptrs, *scalars, *tail)
+            return
+    kernel = fn[grid](*tensors, *scalars, **consts)
+    if not aligned:
+        return
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    if len(_ENTRIES) >= _MAX_ENTRIES:
+        _ENTRIES.clear()
+    _ENTRIES[key] = (consts, kernel, _tail(fn, len(tensors) + len(scalars), consts))
