@@ -39,6 +39,10 @@ def _parse(argv):
     p.add_argument("--calls", type=int, default=100, help="timed calls per layer measurement")
     p.add_argument("--decode-steps", type=int, default=32, help="generate's timed decode steps")
     p.add_argument("--no-generate", action="store_true", help="only the layer timings")
+    p.add_argument("--launch", choices=("direct", "triton", "both"), default="direct",
+                   help="how Kascade's decode kernels are launched: direct (kascade.ops.triton.launch, the default), "
+                   "triton (Triton's own path, KASCADE_TRITON_LAUNCH=triton), or both, alternated every round "
+                   "(each layer table then names its launch path)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few calls: a smoke run on any machine")
     return p.parse_args(argv)
 
@@ -194,7 +198,7 @@ def summary(result: dict) -> str:
     for lt in result["layers"]:
         m = lt["median"]
         dense = m["dense (SDPA)"]
-        lines += [f"one layer, N={lt['N']} (median of {len(lt['rounds']['reuse'])} rounds; us)",
+        lines += [f"one layer, N={lt['N']}, {lt['launch']} launches (median of {len(lt['rounds']['reuse'])} rounds; us)",
                   "| call | host | device span | back to back | graph replay | back to back / dense |",
                   "|---|---|---|---|---|---|"]
         for name, r in m.items():
@@ -240,13 +244,29 @@ def main(argv=None) -> dict:
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (Triton interpreter)"
     env = f"{where}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     result = {"environment": env, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "setup": {"lengths": lengths, "calls": calls, "rounds": rounds, "layers": layers, "quick": quick},
+              "setup": {"lengths": lengths, "calls": calls, "rounds": rounds, "layers": layers, "quick": quick,
+                        "launch": args.launch},
               "layers": [], "generate": []}
     t0 = time.perf_counter()
     layer_shapes = {**shapes, "num_hidden_layers": 32 if not quick else shapes["num_hidden_layers"]}
+    from kascade.ops.triton import launch
+
+    paths = ("triton", "direct") if args.launch == "both" else (args.launch,)
     for N in lengths:
-        result["layers"].append(layer_timings(N, dev, calls=calls, rounds=rounds, shapes=layer_shapes))
+        runs = {path: [] for path in paths}
+        for _ in range(rounds):  # the launch paths alternated round by round
+            for path in paths:
+                launch.FAST = path == "direct"
+                runs[path].append(layer_timings(N, dev, calls=calls, rounds=1, shapes=layer_shapes))
+        for path, rs in runs.items():
+            merged = {"N": N, "launch": path, "reuse_layer": rs[0]["reuse_layer"], "anchor_layer": rs[0]["anchor_layer"],
+                      "rounds": {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}}
+            merged["median"] = {name: {key: _median([x[key] for x in xs]) for key in
+                                       ("host_us", "span_us", "back_to_back_us", "graph_us")}
+                                for name, xs in merged["rounds"].items()}
+            result["layers"].append(merged)
         print(summary(result), flush=True)
+    launch.FAST = args.launch != "triton"  # generate below runs the path asked for (direct with both)
     if not args.no_generate:
         gen_shapes = {**shapes, "anchors": max(2, round(shapes["anchors"] * layers / 32))} if not quick else shapes
         for N in lengths:

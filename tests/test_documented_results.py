@@ -195,6 +195,19 @@ def test_calibration_needle_suite_retrieval_sentence():
     assert all(r["retrieval"]["score"] < r["dense"]["score"] for r in t["rows"])
 
 
+def test_getting_started_direct_launch_sentence():
+    """The direct launches' cut of a reuse and an anchor layer's host time: the range over the layer rows and the
+    32-layer step's runs of results/h100.json eager_launch, each run against the Triton-path run before it."""
+    found = _find(r"cut a reuse\s+layer's host time by (\d+)% to (\d+)% and an anchor's by (\d+)% to (\d+)%",
+                  _text(DOCS / "getting_started.md"))
+    t = tables.results("h100")["eager_launch"]
+    runs = {p: [r for r in t["host_overhead"] if r["launch"] == p] for p in ("triton", "direct")}
+    for i, kind in enumerate(("reuse", "anchor")):
+        cuts = [1 - r["direct"][kind]["host_us"] / r["triton"][kind]["host_us"] for r in t["layers"]]
+        cuts += [1 - d[kind] / s[kind] for s, d in zip(runs["triton"], runs["direct"])]
+        assert len(cuts) == 4 and (f"{100 * min(cuts):.0f}", f"{100 * max(cuts):.0f}") == found[2 * i:2 * i + 2], cuts
+
+
 def test_calibration_cost_model_error():
     (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]

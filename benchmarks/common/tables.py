@@ -147,6 +147,23 @@ def eager_decode(card: str) -> str:
                       "speedup"], gen))
 
 
+def eager_launch(card: str) -> str:
+    """Eager decode layers with Kascade's kernels launched through Triton's own path and directly
+    (:mod:`kascade.ops.triton.launch`), alternated in one run: host us per call, and per layer of a whole step."""
+    t = results(card)["eager_launch"]
+    names = {"reuse": "Kascade reuse layer", "anchor": "Kascade anchor layer", "sdpa": "dense (SDPA), for scale"}
+    rows = [[_n(r["keys"]) if i == 0 else "", name, f"{r['triton'][k]['host_us']:.0f}",
+             f"{r['direct'][k]['host_us']:.0f}", f"{r['direct'][k]['host_us'] / r['triton'][k]['host_us']:.2f}"]
+            for r in t["layers"] for i, (k, name) in enumerate(names.items())]
+    ho = {p: [r for r in t["host_overhead"] if r["launch"] == p] for p in ("triton", "direct")}
+    step = [[name, " / ".join(f"{r[k]:.0f}" for r in ho["triton"]), " / ".join(f"{r[k]:.0f}" for r in ho["direct"])]
+            for k, name in (("layer0", "layer 0"), ("anchor", "anchor"), ("reuse", "reuse"),
+                            ("sdpa_function", "dense (transformers' SDPA function)"))]
+    return (_table(["keys", "call (one layer, B=1)", "host us, Triton's launch", "host us, direct", "ratio"], rows)
+            + "\n\n" + _table(["a 32-layer step (4K slots)", "host us per layer, Triton's launch (2 runs)",
+                                 "direct (2 runs)"], step))
+
+
 def jax() -> str:
     j = results("h200")["jax"]
     rows = []
@@ -316,6 +333,7 @@ BLOCKS = {
     "bench": bench,
     "generate": generate,
     "eager-decode": eager_decode,
+    "eager-launch": eager_launch,
     "jax": jax,
     "cost-model": cost_model,
     "named-plans": named_plans,

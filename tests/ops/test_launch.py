@@ -46,7 +46,9 @@ def direct(monkeypatch):
     monkeypatch.setattr(L, "FAST", True)
     drv = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 5)
     monkeypatch.setattr(L, "_driver", SimpleNamespace(active=drv))
-    monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None)))
+    # Triton 3.6's hooks: chains that call nothing until a hook is added
+    chains = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
+    monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=chains))
     monkeypatch.setattr(L, "_ENTRIES", {})
 
 
@@ -94,12 +96,26 @@ def test_a_launch_that_may_specialise_otherwise_takes_tritons_path(direct, chang
         assert fn.log[-1][0] == "direct"
 
 
-@pytest.mark.parametrize("off", ["env", "hook", "interpreter"])
+def test_unset_hooks_of_an_earlier_triton_are_none(direct, monkeypatch):
+    monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None,
+                                                                             launch_exit_hook=None)))
+    fn, consts = _Kernel(), L.config(A=2)
+    x, y = _tensors()
+    for _ in range(2):
+        L.launch(fn, (1,), (x, y), (4, 1.0), consts)
+    assert [e[0] for e in fn.log] == ["triton", "direct"]
+
+
+@pytest.mark.parametrize("off", ["env", "enter hook", "exit hook", "hook of an earlier triton", "interpreter"])
 def test_no_direct_launch_when_off_profiled_or_interpreted(direct, monkeypatch, off):
     if off == "env":
         monkeypatch.setattr(L, "FAST", False)
-    elif off == "hook":  # a profiler's launch hook sees every launch through Triton's path
-        monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=print)))
+    elif off.endswith("hook"):  # a profiler's launch hook sees every launch through Triton's path
+        hooked = SimpleNamespace(calls=[print])
+        runtime = L._knobs.runtime
+        monkeypatch.setattr(runtime, "launch_exit_hook" if off == "exit hook" else "launch_enter_hook", hooked)
+    elif off == "hook of an earlier triton":  # a plain callable
+        monkeypatch.setattr(L._knobs.runtime, "launch_enter_hook", print)
     else:
         monkeypatch.setattr(L, "interpreting", lambda: True)
     fn, consts = _Kernel(), L.config(A=2)
@@ -114,3 +130,14 @@ def test_the_runtime_arguments_must_come_before_the_constexprs(direct):
     x, y = _tensors()
     with pytest.raises(TypeError, match="runtime arguments first"):
         L.launch(fn, (1,), (x, y), (4,), L.config(A=2))  # f missing: A would sit among the runtime arguments
+
+
+def test_a_launch_that_returns_no_compiled_kernel_is_not_kept(direct):
+    """A stand-in kernel (the host-overhead benchmark's stubs) returns None: nothing to call directly next time."""
+    fn, consts = _Kernel(), L.config(A=2)
+    fn.compiled = None
+    x, y = _tensors()
+    for _ in range(2):
+        L.launch(fn, (1,), (x, y), (4, 1.0), consts)
+    assert [e[0] for e in fn.log] == ["triton", "triton"] and not L._ENTRIES
+

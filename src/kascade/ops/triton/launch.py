@@ -57,8 +57,17 @@ def _tail(fn, n_args: int, consts: dict) -> tuple:
     return tuple(consts[p.name] if p.name in consts else p.default for p in params[n_args:])
 
 
+def _unhooked(hook) -> bool:
+    """Whether a launch hook of Triton's knobs has nothing to call: None (earlier releases) or an empty
+    ``HookChain`` (3.6: the knob is always a chain, its ``calls`` the hooks added, e.g. by a profiler)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
 def _direct() -> bool:
-    return FAST and _knobs is not None and not interpreting() and _knobs.runtime.launch_enter_hook is None
+    if not FAST or _knobs is None or interpreting():
+        return False
+    rt = _knobs.runtime
+    return _unhooked(rt.launch_enter_hook) and _unhooked(rt.launch_exit_hook)
 
 
 def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> None:
@@ -81,7 +90,7 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
                        kernel.packed_metadata, None, None, None, *ptrs, *scalars, *tail)
             return
     kernel = fn[grid](*tensors, *scalars, **consts)
-    if not aligned:
+    if not aligned or kernel is None:  # None: no compiled kernel to keep (a stand-in's launch)
         return
     if hasattr(kernel, "result"):
         kernel = kernel.result()
