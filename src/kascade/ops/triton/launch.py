@@ -4,8 +4,8 @@
 16-byte alignment, an integer's value class), builds and hashes a cache key of all of them and the options, checks the
 kernel's globals, asks for launch metadata, and its compiled launcher then asks the driver about every pointer. On an
 H100 host that is 27.5 us for the decode split kernel (53 parameters), of which the launcher's own work is 7.4 us
-and the binding and key 14.4 us (``.baseline`` profile of 2026-12-07, in issue 37's note); a reuse layer's whole
-eager call was 65.6 us.
+and the binding and key 14.4 us, of a reuse layer's whole eager call of 65.6 us (``python -m
+benchmarks.launch_profile``, 2026-12-07).
 
 :func:`launch` keeps, per launch configuration, the compiled kernel that Triton's own first launch returned, and calls
 its launcher directly while the arguments are those that specialise the same way: the same pointer dtypes, every
