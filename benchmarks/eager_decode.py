@@ -198,7 +198,8 @@ def summary(result: dict) -> str:
     for lt in result["layers"]:
         m = lt["median"]
         dense = m["dense (SDPA)"]
-        lines += [f"one layer, N={lt['N']}, {lt['launch']} launches (median of {len(lt['rounds']['reuse'])} rounds; us)",
+        lines += [f"one layer, N={lt['N']}, {lt['launch']} launches (median of {len(lt['rounds']['reuse'])} rounds; "
+                  "us)",
                   "| call | host | device span | back to back | graph replay | back to back / dense |",
                   "|---|---|---|---|---|---|"]
         for name, r in m.items():
@@ -208,7 +209,8 @@ def summary(result: dict) -> str:
         lines.append("")
     for gt in result["generate"]:
         runs = gt["runs"]
-        lines.append(f"generate (eager), N={gt['N']}, {gt['layers']} layers, anchors {gt['anchors']}: ITL dense "
+        lines.append(f"generate (eager, {gt['launch']} launches), N={gt['N']}, {gt['layers']} layers, anchors "
+                     f"{gt['anchors']}: ITL dense "
                      + ", ".join(f"{r['dense_itl_ms']:.2f}" for r in runs) + " ms; Kascade "
                      + ", ".join(f"{r['kascade_itl_ms']:.2f}" for r in runs)
                      + f" ms; dense / Kascade (median) {gt['itl_speedup_median']:.3f}x (>= 1: Kascade faster)")
@@ -252,28 +254,41 @@ def main(argv=None) -> dict:
     from kascade.ops.triton import launch
 
     paths = ("triton", "direct") if args.launch == "both" else (args.launch,)
-    for N in lengths:
-        runs = {path: [] for path in paths}
-        for _ in range(rounds):  # the launch paths alternated round by round
-            for path in paths:
-                launch.FAST = path == "direct"
-                runs[path].append(layer_timings(N, dev, calls=calls, rounds=1, shapes=layer_shapes))
-        for path, rs in runs.items():
-            merged = {"N": N, "launch": path, "reuse_layer": rs[0]["reuse_layer"], "anchor_layer": rs[0]["anchor_layer"],
-                      "rounds": {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}}
-            merged["median"] = {name: {key: _median([x[key] for x in xs]) for key in
-                                       ("host_us", "span_us", "back_to_back_us", "graph_us")}
-                                for name, xs in merged["rounds"].items()}
-            result["layers"].append(merged)
-        print(summary(result), flush=True)
-    launch.FAST = args.launch != "triton"  # generate below runs the path asked for (direct with both)
-    if not args.no_generate:
-        gen_shapes = {**shapes, "anchors": max(2, round(shapes["anchors"] * layers / 32))} if not quick else shapes
+    fast = launch.FAST  # the library's switch, put back when done
+    try:
         for N in lengths:
-            result["generate"].append(generate_itl(N, dev, layers=layers, shapes=gen_shapes, rounds=min(rounds, 2),
-                                                   decode_steps=steps, backend="triton" if dev.type == "cuda"
-                                                   else "auto"))
-            (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))
+            runs = {path: [] for path in paths}
+            for _ in range(rounds):  # the launch paths alternated round by round
+                for path in paths:
+                    launch.FAST = path == "direct"
+                    runs[path].append(layer_timings(N, dev, calls=calls, rounds=1, shapes=layer_shapes))
+            for path, rs in runs.items():
+                merged = {"N": N, "launch": path, "reuse_layer": rs[0]["reuse_layer"],
+                          "anchor_layer": rs[0]["anchor_layer"],
+                          "rounds": {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}}
+                merged["median"] = {name: {key: _median([x[key] for x in xs]) for key in
+                                           ("host_us", "span_us", "back_to_back_us", "graph_us")}
+                                    for name, xs in merged["rounds"].items()}
+                result["layers"].append(merged)
+            print(summary(result), flush=True)
+        if not args.no_generate:
+            gen_shapes = {**shapes, "anchors": max(2, round(shapes["anchors"] * layers / 32))} if not quick else shapes
+            backend = "triton" if dev.type == "cuda" else "auto"
+            for N in lengths:
+                runs = {path: [] for path in paths}
+                for _ in range(rounds if len(paths) > 1 else 1):  # the launch paths alternated round by round
+                    for path in paths:
+                        launch.FAST = path == "direct"
+                        runs[path].append(generate_itl(N, dev, layers=layers, shapes=gen_shapes,
+                                                       rounds=1 if len(paths) > 1 else min(rounds, 2),
+                                                       decode_steps=steps, backend=backend))
+                for path, rs in runs.items():
+                    gt = {**rs[0], "launch": path, "runs": [x for r in rs for x in r["runs"]]}
+                    gt["itl_speedup_median"] = statistics.median(x["itl_speedup"] for x in gt["runs"])
+                    result["generate"].append(gt)
+                (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))
+    finally:
+        launch.FAST = fast
     result["wall_s"] = time.perf_counter() - t0
     text = summary(result)
     (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))

@@ -194,6 +194,24 @@ def test_eager_decode_quick_runs_every_measurement(tmp_path):
     assert "| reuse |" in (tmp_path / "summary.txt").read_text()
 
 
+def test_eager_decode_launch_both_alternates_the_paths(tmp_path, monkeypatch):
+    """--launch both: the layer timings and generate each once per launch path, named, and the library's launch
+    switch left as it was (a benchmark must not leave the process on another path)."""
+    from benchmarks import eager_decode
+    from kascade.ops.triton import launch
+
+    seen = []
+    timings = eager_decode.layer_timings
+    monkeypatch.setattr(eager_decode, "layer_timings", lambda *a, **kw: seen.append(launch.FAST) or timings(*a, **kw))
+    r = eager_decode.main(["--quick", "--launch", "both", "--out", str(tmp_path)])
+    assert seen == [False, True]
+    assert [x["launch"] for x in r["layers"]] == ["triton", "direct"]
+    assert [x["launch"] for x in r["generate"]] == ["triton", "direct"]
+    assert all(g["runs"] for g in r["generate"]) and launch.FAST
+    text = (tmp_path / "summary.txt").read_text()
+    assert "triton launches" in text and "direct launches" in text
+
+
 def test_fp8_selection_measures_by_hand():
     """benchmarks.fp8_selection's two measures on rows built by hand: one row whose FP8 ranking swaps the exact
     second and third keys (count 2: kept 1/2, mass (0.4 + 0.2) / (0.4 + 0.3)), one identical row (1, 1), one row that

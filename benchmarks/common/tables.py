@@ -258,9 +258,10 @@ def fp8_speed() -> str:
     for phase in ("prefill", "decode"):
         for r in h["fp8_scoring"][phase]:
             old = run12.get((phase, r["model"], r["B"], r["N"]))
+            tags = ("", "_fp8", "_int8")
             rows.append([phase, MODEL_NAMES[r["model"]], r["B"], _n(r["N"]),
-                         _x(old["anchor_x"]) if old else "-", *(_x(r["anchor_x" + t]) for t in ("", "_fp8", "_int8")),
-                         _x(old["model_speedup"]) if old else "-", *(_x(r["model_avg" + t]) for t in ("", "_fp8", "_int8")),
+                         _x(old["anchor_x"]) if old else "-", *(_x(r["anchor_x" + t]) for t in tags),
+                         _x(old["model_speedup"]) if old else "-", *(_x(r["model_avg" + t]) for t in tags),
                          f"{r['kept_share']:.3f} / {r['kept_share_int8']:.3f}"])
     return _table(["phase", "shapes", "B", "N", "anchor, run 12", "anchor, exact", "anchor, FP8", "anchor, INT8",
                    "model, run 12", "model, exact", "model, FP8", "model, INT8", "keys kept: FP8 / INT8"], rows)
