@@ -73,7 +73,8 @@ def _direct() -> bool:
 def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> None:
     """``fn[grid](*tensors, *scalars, **consts)``: the kernel's pointer parameters first (``tensors``, on the current
     CUDA device), then its scalar ones, then its constexprs and launch options (``consts``, the caller's one dict of
-    this configuration: :func:`config`)."""
+    this configuration: :func:`config`). ``scalars``: ints and floats of a fixed type per position (they are compared
+    by value, and ``True == 1``: a flag goes in ``consts``)."""
     if not _direct():
         fn[grid](*tensors, *scalars, **consts)
         return
