@@ -22,6 +22,7 @@ machine (a CPU runs the kernels in Triton's interpreter and generate on the refe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -142,10 +143,28 @@ def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict) -> dict
         for _ in range(rounds):
             for name, make in fns.items():
                 rows[name].append(_time_call(make(), dev, calls))
-    out = {"N": N, "reuse_layer": reuse_layer, "anchor_layer": anchor_layer, "rounds": rows}
-    out["median"] = {name: {key: _median([r[key] for r in rs]) for key in ("host_us", "span_us", "back_to_back_us",
-                                                                             "graph_us")}
-                     for name, rs in rows.items()}
+    return {"N": N, "reuse_layer": reuse_layer, "anchor_layer": anchor_layer, "rounds": rows, "median": _medians(rows)}
+
+
+def _medians(rows: dict) -> dict:
+    """Per call, the median over its rounds of each figure."""
+    keys = ("host_us", "span_us", "back_to_back_us", "graph_us")
+    return {name: {key: _median([r[key] for r in rs]) for key in keys} for name, rs in rows.items()}
+
+
+def _alternated(paths: tuple, rounds: int, measure) -> dict:
+    """``measure()`` ``rounds`` times per launch path (``"direct"``: :mod:`kascade.ops.triton.launch`, ``"triton"``:
+    Triton's own), the paths alternated round by round: path -> results. The library's switch is put back after."""
+    from kascade.ops.triton import launch
+
+    fast, out = launch.FAST, {path: [] for path in paths}
+    try:
+        for _ in range(rounds):
+            for path in paths:
+                launch.FAST = path == "direct"
+                out[path].append(measure())
+    finally:
+        launch.FAST = fast
     return out
 
 
@@ -251,44 +270,24 @@ def main(argv=None) -> dict:
               "layers": [], "generate": []}
     t0 = time.perf_counter()
     layer_shapes = {**shapes, "num_hidden_layers": 32 if not quick else shapes["num_hidden_layers"]}
-    from kascade.ops.triton import launch
-
     paths = ("triton", "direct") if args.launch == "both" else (args.launch,)
-    fast = launch.FAST  # the library's switch, put back when done
-    try:
+    for N in lengths:
+        measure = functools.partial(layer_timings, N, dev, calls=calls, rounds=1, shapes=layer_shapes)
+        for path, rs in _alternated(paths, rounds, measure).items():
+            rows = {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}
+            result["layers"].append({**rs[0], "launch": path, "rounds": rows, "median": _medians(rows)})
+        print(summary(result), flush=True)
+    if not args.no_generate:
+        gen_shapes = {**shapes, "anchors": max(2, round(shapes["anchors"] * layers / 32))} if not quick else shapes
+        backend = "triton" if dev.type == "cuda" else "auto"
         for N in lengths:
-            runs = {path: [] for path in paths}
-            for _ in range(rounds):  # the launch paths alternated round by round
-                for path in paths:
-                    launch.FAST = path == "direct"
-                    runs[path].append(layer_timings(N, dev, calls=calls, rounds=1, shapes=layer_shapes))
-            for path, rs in runs.items():
-                merged = {"N": N, "launch": path, "reuse_layer": rs[0]["reuse_layer"],
-                          "anchor_layer": rs[0]["anchor_layer"],
-                          "rounds": {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}}
-                merged["median"] = {name: {key: _median([x[key] for x in xs]) for key in
-                                           ("host_us", "span_us", "back_to_back_us", "graph_us")}
-                                    for name, xs in merged["rounds"].items()}
-                result["layers"].append(merged)
-            print(summary(result), flush=True)
-        if not args.no_generate:
-            gen_shapes = {**shapes, "anchors": max(2, round(shapes["anchors"] * layers / 32))} if not quick else shapes
-            backend = "triton" if dev.type == "cuda" else "auto"
-            for N in lengths:
-                runs = {path: [] for path in paths}
-                for _ in range(rounds if len(paths) > 1 else 1):  # the launch paths alternated round by round
-                    for path in paths:
-                        launch.FAST = path == "direct"
-                        runs[path].append(generate_itl(N, dev, layers=layers, shapes=gen_shapes,
-                                                       rounds=1 if len(paths) > 1 else min(rounds, 2),
-                                                       decode_steps=steps, backend=backend))
-                for path, rs in runs.items():
-                    gt = {**rs[0], "launch": path, "runs": [x for r in rs for x in r["runs"]]}
-                    gt["itl_speedup_median"] = statistics.median(x["itl_speedup"] for x in gt["runs"])
-                    result["generate"].append(gt)
-                (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))
-    finally:
-        launch.FAST = fast
+            measure = functools.partial(generate_itl, N, dev, layers=layers, shapes=gen_shapes, rounds=1,
+                                        decode_steps=steps, backend=backend)
+            for path, rs in _alternated(paths, min(rounds, 2), measure).items():
+                runs = [x for r in rs for x in r["runs"]]
+                result["generate"].append({**rs[0], "launch": path, "runs": runs, "itl_speedup_median":
+                                           statistics.median(x["itl_speedup"] for x in runs)})
+            (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))
     result["wall_s"] = time.perf_counter() - t0
     text = summary(result)
     (out_dir / "eager_decode.json").write_text(json.dumps(result, indent=1))
