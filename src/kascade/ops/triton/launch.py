@@ -83,8 +83,8 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
     if aligned:
         device = _driver.active.get_current_device()
         key = (fn, id(consts), device, tuple([t.dtype for t in tensors]), scalars)
-        entry = _ENTRIES.get(key)
-        if entry is not None and entry[0] is consts:
+        entry = _ENTRIES.get(key)  # it holds ``consts``: no other dict takes that id while it is kept
+        if entry is not None:
             kernel, tail = entry[1], entry[2]
             g = grid + (1,) * (3 - len(grid))
             kernel.run(g[0], g[1], g[2], _driver.active.get_current_stream(device), kernel.function,
