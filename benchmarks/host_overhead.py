@@ -1,12 +1,15 @@
 """Host time of an eager decode step's attention, per layer kind, with the Triton kernels stubbed: what Python, the
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
-    python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--no-gc] [--json FILE]
+    python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--cache static|dynamic]
+                                       [--launch] [--no-gc] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
-it) at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of 128, 32 layers, 5 anchors: the uniform plan
-``kascade bench`` runs), B=1, bf16, Kascade's Triton backend, with every kernel launch replaced by a no-op that counts
-it (on a CPU Triton's interpreter switch lets the launchers take CPU tensors; the kernels never run). Per layer the
+it; with ``--cache dynamic`` the keys grow by one a step and K and V are new tensors each step, as transformers'
+default DynamicCache hands them to eager ``generate``) at Llama-3.1-8B's attention shapes (32 query / 8 KV heads of
+128, 32 layers, 5 anchors: the uniform plan ``kascade bench`` runs), B=1, bf16, Kascade's Triton backend, with
+every kernel launch replaced by a no-op that counts it (on a CPU Triton's interpreter switch lets the launchers take
+CPU tensors; the kernels never run). Per layer the
 time of transformers' call of the attention function (what ``LlamaAttention.forward`` calls), median over the steps,
 for layer 0 (dense + selection, and the step's plan), the other anchors and the reuse layers; once per step the mask
 function (its geometry). Not included: a launch's own host cost in Triton's launcher (a few microseconds each on a
@@ -40,6 +43,10 @@ def _parse(argv):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--anchors", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cache", choices=("static", "dynamic"), default="static",
+                   help="static: every step over the same --keys slots (a static cache, generate's compiled path); "
+                   "dynamic: the keys grow by one a step, each step's K and V new tensors (transformers' default "
+                   "DynamicCache, what eager generate uses): the step's geometry and the tensors' strides change")
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")
@@ -77,7 +84,7 @@ def stub_kernels(counts: dict) -> list:
 
 
 def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int,
-            launch: bool = False) -> dict:
+            launch: bool = False, cache: str = "static") -> dict:
     import torch
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -103,9 +110,11 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
             q = torch.randn(B, 1, HQ, D, dtype=dt, device=dev).transpose(1, 2)  # as the model's view hands it
             return q, torch.randn(B, H, n, D, dtype=dt, device=dev), torch.randn(B, H, n, D, dtype=dt, device=dev)
 
-        q, k, v = qkv(keys)
+        dynamic = cache == "dynamic"
+        q, kf, vf = qkv(keys + (20 + steps if dynamic else 0))
+        k, v = kf[:, :, :keys], vf[:, :, :keys]
         slot = torch.tensor(keys // 2, device=dev)  # the static cache's length: a device tensor
-        mask2d = torch.ones(B, keys, dtype=torch.bool, device=dev)
+        mask2d = torch.ones(B, k.shape[2], dtype=torch.bool, device=dev)
         kinds = {0: "layer 0"} | {a: "anchor" for a in plan.anchors if a} | \
             {i: "reuse" for i in range(layers) if not plan.is_anchor(i)}
         per: dict = {kind: [] for kind in ("mask function (per step)", "layer 0", "anchor", "reuse")}
@@ -113,9 +122,17 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
         scale = D ** -0.5
         with torch.no_grad():
             for s in range(20 + steps):
+                n = keys + s if dynamic else keys
+                if dynamic:  # a DynamicCache's step: K and V new tensors of n slots (outside the timings)
+                    slot = torch.tensor(n - 1, device=dev)
+                    if launch:
+                        k, v = kf[:, :, :n].clone(), vf[:, :, :n].clone()
+                    else:  # the same strides, without copying (which would leave the CPU's caches cold)
+                        shape, strides = (B, H, n, D), (H * n * D, n * D, D, 1)
+                        k, v = kf.as_strided(shape, strides), vf.as_strided(shape, strides)
                 t0 = time.perf_counter_ns()
-                m = kascade_mask(batch_size=B, q_length=1, kv_length=keys, q_offset=slot, kv_offset=0,
-                                 mask_function=causal_mask_function, attention_mask=mask2d)
+                m = kascade_mask(batch_size=B, q_length=1, kv_length=n, q_offset=slot, kv_offset=0,
+                                 mask_function=causal_mask_function, attention_mask=mask2d[:, :n])
                 t1 = time.perf_counter_ns()
                 if s >= 20:
                     per["mask function (per step)"].append(t1 - t0)
@@ -130,6 +147,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
                         launches.setdefault(kinds[i], {k2: counts.get(k2, 0) - before.get(k2, 0) for k2 in counts})
                 if launch:  # keep the queue of launches short: its time is the GPU's, not the host's
                     torch.cuda.synchronize()
+        k, v = kf[:, :, :keys], vf[:, :, :keys]
         dmask = torch.ones(B, 1, 1, keys, dtype=torch.bool, device=dev)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if not launch:
@@ -157,7 +175,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     return dict(us=us, launches={k2: sum(v2.values()) for k2, v2 in launches.items()}, launch_detail=launches,
                 step_us=dict(kascade=step_kascade, dense=layers * us["dense (SDPA function)"]),
                 setup=dict(device=str(dev), launched=launch, batch=B, keys=keys, layers=layers,
-                           anchors=list(plan.anchors), steps=steps, dtype="bf16"))
+                           anchors=list(plan.anchors), steps=steps, dtype="bf16", cache=cache))
 
 
 def environment(device: str) -> str:
@@ -184,8 +202,9 @@ def table(r: dict, env: str) -> str:
     s = r["setup"]
     how = "kernels launched" if s.get("launched") else "kernels stubbed"
     lines = [f"host time per layer, {how}; {env}",
-             f"static-cache decode step, B={s['batch']}, {s['keys']} slots, {s['layers']} layers, anchors "
-             f"{s['anchors']}, bf16, Triton backend; median of {s['steps']} steps"
+             f"{s.get('cache', 'static')}-cache decode step, B={s['batch']}, {s['keys']} "
+             f"{'slots' if s.get('cache', 'static') == 'static' else 'keys and one more a step'}, {s['layers']} "
+             f"layers, anchors {s['anchors']}, bf16, Triton backend; median of {s['steps']} steps"
              + ("" if s.get("gc", True) else ", garbage collector off"), "",
              "| layer | host us | kernel launches |", "|---|---|---|"]
     for kind, t in r["us"].items():
@@ -213,7 +232,7 @@ def main(argv=None) -> dict:
         gc.disable()
     try:
         r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
-                    anchors=args.anchors, batch=args.batch, launch=args.launch)
+                    anchors=args.anchors, batch=args.batch, launch=args.launch, cache=args.cache)
     finally:
         gc.enable()
     r["setup"]["gc"] = not args.no_gc

@@ -105,8 +105,8 @@ def selection_shape(budget: Budget, keys: int, queries: int = 1, rank_factor: fl
     widest (the last tile's count under the rolling budget): the tensor is rectangular, so the exchange sends
     ``rows x width`` entries, not the sum of the rows' counts. ``rank_factor``: the anchor's
     :meth:`kascade.KascadePlan.rank_factor` in a ranked plan (None: 1). For a batch, the selection is as wide and as
-    tall as its longest sequence's; for a static-cache decode step on the Triton backend, ``keys`` is the cache's
-    capacity (its launch bound)."""
+    tall as its longest sequence's; for a decode step planned on the device on the Triton backend, ``keys`` is its
+    launch bound (:func:`kascade.ops.step.launch_bound` of the cache's slots)."""
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
         raise ValueError(f"keys must be a positive integer, got {keys!r}")
     if isinstance(queries, bool) or not isinstance(queries, int) or not 1 <= queries <= keys:

@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 import kascade  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from kascade import KascadePlan, ModelFingerprint  # noqa: E402
+from kascade.ops.step import launch_bound  # noqa: E402
 from kernel_checks import dev, sized  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Kascade is using an uncalibrated plan")
@@ -72,6 +73,8 @@ def test_triton_backend_matches_reference_in_prefill_and_decode(monkeypatch, for
     steps = [fwd.step for fwd in forwards[1:]]
     assert [s.decode for s in steps] == [False, True, True] and all(s.meta is not None for s in steps[1:])
     assert all(s.backend == "triton" and s.index_dtype == torch.int32 for s in steps)
+    # generate's dynamic cache grows a key a step; the steps keep one launch bound (their launches and plans alike)
+    assert steps[1].meta.n == steps[2].meta.n == (launch_bound(ids.shape[1] + 2),) * 2
     # and the anchors' selections of those passes are made in it (decode included: the radix select writes int32)
     kept = [sel for fwd in forwards[1:] for sel in fwd.selections.values()]
     assert len(kept) >= 3 and all(sel.indices.dtype == torch.int32 for sel in kept)
@@ -105,7 +108,8 @@ def test_static_cache_decode_steps_stay_on_the_device(forwards):
     assert torch.equal(got, ref)
     # the prefill, then 3 decode steps planned on the device only (no host geometry: graph-capturable)
     assert [fwd.step.on_device for fwd in forwards] == [False, True, True, True]
-    assert all(fwd.step.meta.n == (P + 10, P + 10) for fwd in forwards[1:])  # launch bounds: the capacity
+    # launch bounds: the capacity, rounded up (kascade.ops.step.launch_bound)
+    assert all(fwd.step.meta.n == (launch_bound(P + 10),) * 2 for fwd in forwards[1:])
 
 
 def _static_cache_logits(model, ids, feed, capacity, mask=None):

@@ -50,6 +50,7 @@ def direct(monkeypatch):
     chains = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
     monkeypatch.setattr(L, "_knobs", SimpleNamespace(runtime=chains))
     monkeypatch.setattr(L, "_ENTRIES", {})
+    monkeypatch.setattr(L, "_SPECS", {})
 
 
 def _tensors(dtype=torch.float32):
@@ -94,6 +95,36 @@ def test_a_launch_that_may_specialise_otherwise_takes_tritons_path(direct, chang
     else:  # the new configuration is kept: its next launch is direct
         L.launch(fn, (1,), (x, y), scalars, consts)
         assert fn.log[-1][0] == "direct"
+
+
+def test_other_scalars_that_specialise_alike_launch_directly_with_their_values(direct):
+    """A dynamic cache's steps: the K / V strides change every step, their specialisation does not."""
+    fn, consts = _Kernel(), L.config(A=3)
+    x, y = _tensors()
+    L.launch(fn, (1,), (x, y), (4096 * 128, 0.5), consts)
+    L.launch(fn, (1,), (x, y), (4097 * 128, 0.25), consts)  # both divisible by 16, int32
+    assert [e[0] for e in fn.log] == ["triton", "direct"]
+    assert fn.log[-1][1][-4:] == (4097 * 128, 0.25, 3, 7)  # this launch's values, not the kept one's
+    for scalars in ((1, 0.5), (3, 0.5), (1 << 33, 0.5)):  # 1 is compiled in; 3 is not divisible by 16; int64
+        L.launch(fn, (1,), (x, y), scalars, consts)
+        assert fn.log[-1][0] == "triton", scalars
+
+
+def test_spec_is_as_fine_as_tritons_own_specialisation():
+    """Two scalars with one ``spec`` must compile alike: Triton's specialisation of each (its C++ rule, asked
+    directly) is then the same."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    values = [0, 1, 2, 3, 15, 16, 17, 32, 48, 4096 * 128, -1, -16, -17, (1 << 31) - 16, (1 << 31) - 1, 1 << 31,
+              (1 << 31) + 16, (1 << 31) + 1, -(1 << 31), -(1 << 31) - 16, (1 << 63) - 16, 1 << 63, (1 << 63) + 1,
+              (1 << 64) - 16, 0.0, 1.0, 0.5,
+              -2.5, True, False]
+    by_spec: dict = {}
+    for x in values:
+        by_spec.setdefault(L.spec(x), set()).add(native(BaseBackend, x, False, True, True))
+    assert all(len(s) == 1 for s in by_spec.values()), by_spec
+    assert len(by_spec) >= 8  # not vacuous: the values fall into many classes
 
 
 def test_unset_hooks_of_an_earlier_triton_are_none(direct, monkeypatch):

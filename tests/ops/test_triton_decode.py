@@ -286,6 +286,39 @@ def test_sparse_decode_with_counts_attends_each_sequences_prefix():
         assert not torch.equal(got, td.sparse_decode(q, k, v, dev(idx), scale=D**-0.5)), "the counts changed nothing"
 
 
+def test_a_growing_cache_keeps_its_launch_bound_and_selects_as_the_reference():
+    """A dynamic cache's decode steps (K and V one key longer each step, the geometry on the device): the step's
+    launch bound moves only at multiples of LAUNCH_BOUND_STEP, and past the tensors' slots the kernels read nothing:
+    outputs and selections are the host-planned reference step's (slots past each step's keys hold NaN)."""
+    from kascade.ops import dense_select, plan_step
+    from kascade.ops.step import LAUNCH_BOUND_STEP, launch_bound
+
+    B, H, G, D = 2, 2, 3, 64
+    M = LAUNCH_BOUND_STEP + 8
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (x.float() for x in masters(g, B, H, G, 1, M, D))
+    budget = Budget(ratio=0.1, k_min=9)
+    bounds = []
+    for n in (LAUNCH_BOUND_STEP - 1, LAUNCH_BOUND_STEP, LAUNCH_BOUND_STEP + 1):
+        kn, vn = poison(k, torch.zeros(B, dtype=torch.long), n), poison(v, torch.zeros(B, dtype=torch.long), n)
+        kd, vd = dev(kn)[:, :, :n], dev(vn)[:, :, :n]  # views: the NaN slots lie just past each row's last key
+        step = plan_step(dev(q), kd, budget=budget, q_offset=dev(torch.tensor(n - 1)), backend="triton")
+        assert step.on_device and step.meta.n == (launch_bound(n),) * B
+        bounds.append(step.meta.n[0])
+        out, sel = dense_select(dev(q), kd, vd, scale=D**-0.5, step=step)
+        host = plan_step(q, kn[:, :, :n], budget=budget, q_offset=n - 1)
+        want_out, want = dense_select(q, kn[:, :, :n], vn[:, :, :n], scale=D**-0.5, step=host)
+        torch.testing.assert_close(out.cpu(), want_out, rtol=1e-4, atol=1e-5)
+        w = want.indices.shape[-1]
+        assert sel.indices.shape[-1] == budget.decode(launch_bound(n)) >= w
+        assert torch.equal(host_selection(sel).indices[..., :w].long(), want.indices)
+        assert (sel.indices[..., w:] == -1).all()
+        torch.testing.assert_close(sparse_attention(dev(q), kd, vd, sel, scale=D**-0.5, step=step).cpu(),
+                                   sparse_attention(q, kn[:, :, :n], vn[:, :, :n], want, scale=D**-0.5, step=host),
+                                   rtol=1e-4, atol=1e-5)
+    assert bounds == [LAUNCH_BOUND_STEP, LAUNCH_BOUND_STEP, 2 * LAUNCH_BOUND_STEP]
+
+
 def test_launch_plans_are_memoised_and_bounded(monkeypatch):
     """The split-K launch plan of a shape is worked out once (every layer of a step reuses it), and the memo is
     emptied when it grows large: a dynamic cache's steps each have another length."""

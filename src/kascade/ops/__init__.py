@@ -38,7 +38,7 @@ from ..budget import Budget
 from . import library, reference
 from .geometry import check_dtypes, check_scale, check_shapes
 from .selection import Selection
-from .step import Step, decode_meta, decode_meta_static
+from .step import Step, decode_meta, decode_meta_static, launch_bound
 
 __all__ = ["Budget", "Selection", "Step", "attended_keys", "dense_attention", "dense_select", "plan_step",
            "resolve_backend", "select", "sparse_attention"]
@@ -150,7 +150,8 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
             starts = None if kv_start is None else torch.as_tensor(kv_start).to(q.device)
             if starts is not None and starts.shape != (B,):
                 raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
-            meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), N, budget)
+            bound = launch_bound(N) if backend == "triton" else N
+            meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), bound, budget)
             return Step(kv_start=None, q_offset=None, meta=meta, **shape)
         q_offset = int(q_offset)
     if q_offset is None:

@@ -30,7 +30,8 @@ class DecodeMeta:
 
     tensor: ``[B, 4]`` int32 on the device: first valid slot (0 when paged), valid keys ``n_b``, budget ``k_b``, 0.
     n, k:   the same ``n_b`` and ``k_b`` on the host (``k`` is ``None`` when no budget was given); for a step planned
-            on the device (:func:`decode_meta_static`) they are launch bounds: the cache capacity and its budget.
+            on the device (:func:`decode_meta_static`) they are launch bounds: the cache capacity (on the Triton
+            backend rounded up, :func:`launch_bound`) and its budget.
     paged:  whether it describes a paged cache.
     derived: tensors computed from it once per step (:meth:`with_counts`).
     """
@@ -94,14 +95,29 @@ def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, 
     """:class:`DecodeMeta` of a decode step over a static KV cache, computed on the device with no host
     synchronisation. ``q_offset``: the new query's slot (0-d integer tensor on the device, the same for every
     sequence); ``kv_start``: ``[B]`` integer tensor on the device, or ``None`` (no left padding); ``capacity``: the
-    cache's slots. The host ``n`` and ``k`` are launch bounds (the capacity and its budget: grid sizes and index
-    widths; the budget never decreases with ``n``); the kernels read each sequence's ``n_b`` and ``k_b`` from the
-    device tensor."""
+    cache's slots, or any larger bound (:func:`launch_bound`). The host ``n`` and ``k`` are launch bounds (the
+    capacity and its budget: grid sizes and index widths; the budget never decreases with ``n``); the kernels read
+    each sequence's ``n_b`` and ``k_b`` from the device tensor."""
     dev = q_offset.device
     start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
     n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
     t = torch.stack([start, n, budget.decode(n), torch.zeros_like(n)], 1).to(torch.int32)
     return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False)
+
+
+# A device-planned decode step's launch bound on the Triton backend: the key slots rounded up to a multiple of this.
+LAUNCH_BOUND_STEP = 256
+
+
+def launch_bound(keys: int) -> int:
+    """The host bound of a device-planned decode step's keys on the Triton backend (:attr:`DecodeMeta.n`): ``keys``
+    rounded up to a multiple of :data:`LAUNCH_BOUND_STEP`. A dynamic cache (transformers' default, eager
+    ``generate``) grows by a key a step; with the bound its steps share their launch plans, index widths and kernel
+    launches for 256 steps instead of making new ones each step. The kernels read each sequence's ``n_b`` from the
+    device and never touch a slot at or past it, so a bound past the tensors' slots is only room: score rows
+    (``B * HQ * bound`` fp32 a scoring pass), -1 padded index columns (``k(bound) - k(keys)``) and grid programs
+    with nothing to do."""
+    return -(-keys // LAUNCH_BOUND_STEP) * LAUNCH_BOUND_STEP
 
 
 @dataclass(eq=False)
@@ -231,4 +247,4 @@ class Step:
         return self._memo[key]
 
 
-__all__ = ["DecodeMeta", "Step", "decode_meta", "decode_meta_static"]
+__all__ = ["DecodeMeta", "LAUNCH_BOUND_STEP", "Step", "decode_meta", "decode_meta_static", "launch_bound"]

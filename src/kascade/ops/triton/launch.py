@@ -9,10 +9,13 @@ benchmarks.launch_profile``, 2026-12-07).
 
 :func:`launch` keeps, per launch configuration, the compiled kernel that Triton's own first launch returned, and calls
 its launcher directly while the arguments are those that specialise the same way: the same pointer dtypes, every
-pointer 16-byte aligned, and the same scalar values (an integer's specialisation is a function of its value, and the
-float arguments are not specialised). Pointers go to the launcher as integers (no driver query a pointer: the ops
-check their tensors' device before any launch). Anything else -- a first call, a misaligned pointer, another
-scalar, Triton's interpreter, a launch hook (a profiler) -- takes Triton's own path, which then keeps the new entry.
+pointer 16-byte aligned, and scalars of the same specialisation (:func:`spec`: an integer's is whether it is 1,
+whether 16 divides it and its width; floats are not specialised). A launch with exactly a kept launch's scalars finds
+its entry at once; other values of the same specialisation (a dynamic cache's strides, which change every step) find
+it through their specialisation. Pointers go to the launcher as integers (no driver query a pointer: the ops check
+their tensors' device before any launch). Anything else -- a first call, a misaligned pointer, a scalar that
+specialises otherwise, Triton's interpreter, a launch hook (a profiler) -- takes Triton's own path, which then keeps
+the new entry.
 
 A configuration is the caller's one dict of constexprs and launch options (:func:`config` memoises them): entries are
 found by its identity and hold it, so a dict dropped and rebuilt is a new entry, never a stale one.
@@ -28,8 +31,9 @@ import os
 from .common import interpreting
 
 FAST = os.environ.get("KASCADE_TRITON_LAUNCH", "fast") != "triton"
-_ENTRIES: dict = {}
-_MAX_ENTRIES = 4096  # a dynamic cache's steps each bring new scalars (lengths, strides): emptied when it grows
+_ENTRIES: dict = {}  # by the scalars' values
+_SPECS: dict = {}  # by the scalars' specialisations
+_MAX_ENTRIES = 4096  # a dynamic cache's steps each bring new scalars (strides): emptied when it grows
 
 try:  # what the direct path needs of Triton (3.x); without it every launch is Triton's own
     from triton import knobs as _knobs
@@ -46,6 +50,15 @@ def _config(items: tuple) -> dict:
 def config(**consts) -> dict:
     """The one dict of these constexprs and launch options (memoised): a configuration for :func:`launch`."""
     return _config(tuple(consts.items()))
+
+
+def spec(x) -> object:
+    """What Triton's compilation sees of a scalar argument, or finer: two scalars with one ``spec`` run one compiled
+    kernel. An integer: whether it is 1 (compiled in as a constant), whether 16 divides it, and its width (int32,
+    int64, uint64); a float or a bool: its type (not specialised). Tested against Triton's own rule."""
+    if type(x) is int:
+        return (x == 1, x % 16 == 0, -(1 << 31) <= x < (1 << 31), x < (1 << 63))
+    return type(x)
 
 
 def _tail(fn, n_args: int, consts: dict) -> tuple:
@@ -74,7 +87,7 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
     """``fn[grid](*tensors, *scalars, **consts)``: the kernel's pointer parameters first (``tensors``, on the current
     CUDA device), then its scalar ones, then its constexprs and launch options (``consts``, the caller's one dict of
     this configuration: :func:`config`). ``scalars``: ints and floats of a fixed type per position (they are compared
-    by value, and ``True == 1``: a flag goes in ``consts``)."""
+    by value, then by :func:`spec`; ``True == 1``: a flag goes in ``consts``)."""
     if not _direct():
         fn[grid](*tensors, *scalars, **consts)
         return
@@ -84,6 +97,10 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
         device = _driver.active.get_current_device()
         key = (fn, id(consts), device, tuple([t.dtype for t in tensors]), scalars)
         entry = _ENTRIES.get(key)  # it holds ``consts``: no other dict takes that id while it is kept
+        if entry is None:
+            entry = _SPECS.get(key[:4] + (tuple(map(spec, scalars)),))
+            if entry is not None:
+                _keep(_ENTRIES, key, entry)
         if entry is not None:
             kernel, tail = entry[1], entry[2]
             g = grid + (1,) * (3 - len(grid))
@@ -95,6 +112,12 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
         return
     if hasattr(kernel, "result"):
         kernel = kernel.result()
-    if len(_ENTRIES) >= _MAX_ENTRIES:
-        _ENTRIES.clear()
-    _ENTRIES[key] = (consts, kernel, _tail(fn, len(tensors) + len(scalars), consts))
+    entry = (consts, kernel, _tail(fn, len(tensors) + len(scalars), consts))
+    _keep(_ENTRIES, key, entry)
+    _keep(_SPECS, key[:4] + (tuple(map(spec, scalars)),), entry)
+
+
+def _keep(entries: dict, key: tuple, entry: tuple) -> None:
+    if len(entries) >= _MAX_ENTRIES:
+        entries.clear()
+    entries[key] = entry
