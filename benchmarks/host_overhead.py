@@ -33,6 +33,8 @@ import statistics
 import time
 from types import SimpleNamespace
 
+from benchmarks.common.plans import HEAD_MAPS, uniform_plan
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -47,6 +49,10 @@ def _parse(argv):
                    help="static: every step over the same --keys slots (a static cache, generate's compiled path); "
                    "dynamic: the keys grow by one a step, each step's K and V new tensors (transformers' default "
                    "DynamicCache, what eager generate uses): the step's geometry and the tensors' strides change")
+    p.add_argument("--head-maps", choices=HEAD_MAPS, default="identity",
+                   help="the reuse layers' head maps: identity (the uniform plan's) or rotated (KV head h follows its "
+                   "anchor's head h + 1: what a calibrated plan's reuse layers mostly do, 24 of the default model's "
+                   "30 layers)")
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")
@@ -84,7 +90,7 @@ def stub_kernels(counts: dict) -> list:
 
 
 def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int,
-            launch: bool = False, cache: str = "static") -> dict:
+            launch: bool = False, cache: str = "static", head_maps: str = "identity") -> dict:
     import torch
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -93,11 +99,11 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     import kascade
     from kascade.bench.models import LLAMA8B
     from kascade.integration.functions import kascade_attention_forward, kascade_mask
-    from kascade.plan import KascadePlan, ModelFingerprint
+    from kascade.plan import ModelFingerprint
 
     dev = torch.device(device)
     cfg = LlamaConfig(**{**LLAMA8B, "num_hidden_layers": layers})
-    plan = KascadePlan.uniform(ModelFingerprint.from_config(cfg), anchors)
+    plan = uniform_plan(ModelFingerprint.from_config(cfg), anchors, head_maps)
     B, HQ, H, D = batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dt = torch.bfloat16
     runtime = kascade.Attention(plan, backend="triton")
@@ -175,7 +181,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     return dict(us=us, launches={k2: sum(v2.values()) for k2, v2 in launches.items()}, launch_detail=launches,
                 step_us=dict(kascade=step_kascade, dense=layers * us["dense (SDPA function)"]),
                 setup=dict(device=str(dev), launched=launch, batch=B, keys=keys, layers=layers,
-                           anchors=list(plan.anchors), steps=steps, dtype="bf16", cache=cache))
+                           anchors=list(plan.anchors), steps=steps, dtype="bf16", cache=cache, head_maps=head_maps))
 
 
 def environment(device: str) -> str:
@@ -204,7 +210,8 @@ def table(r: dict, env: str) -> str:
     lines = [f"host time per layer, {how}; {env}",
              f"{s.get('cache', 'static')}-cache decode step, B={s['batch']}, {s['keys']} "
              f"{'slots' if s.get('cache', 'static') == 'static' else 'keys and one more a step'}, {s['layers']} "
-             f"layers, anchors {s['anchors']}, bf16, Triton backend; median of {s['steps']} steps"
+             f"layers, anchors {s['anchors']}, {s.get('head_maps', 'identity')} head maps, bf16, Triton backend; "
+             f"median of {s['steps']} steps"
              + ("" if s.get("gc", True) else ", garbage collector off"), "",
              "| layer | host us | kernel launches |", "|---|---|---|"]
     for kind, t in r["us"].items():
@@ -232,7 +239,8 @@ def main(argv=None) -> dict:
         gc.disable()
     try:
         r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
-                    anchors=args.anchors, batch=args.batch, launch=args.launch, cache=args.cache)
+                    anchors=args.anchors, batch=args.batch, launch=args.launch, cache=args.cache,
+                    head_maps=args.head_maps)
     finally:
         gc.enable()
     r["setup"]["gc"] = not args.no_gc

@@ -9,7 +9,7 @@ import kascade
 from conftest import tiny_model
 from kascade import Budget, KascadePlan, ModelFingerprint
 from kascade.ops import plan_step, reference
-from kascade.reuse import layer_selection, merge_ranked
+from kascade.reuse import layer_keys, layer_selection, merge_ranked
 
 HM = ((0, 1, 2), (2, 0, 0), (0, 1, 2), (1, 1, 2))
 # Union of two sources for the reuse layers of a (0, 2)-anchor plan: layer 1 draws on two heads of layer 0,
@@ -35,6 +35,21 @@ def _run(model, plan, ids):
 def _base(model, **budget):
     b = dict(ratio=0.1, k_min=8, tile=16, **budget)
     return KascadePlan(ModelFingerprint.from_model(model), (0, 2), HM, **b)
+
+
+def test_layer_keys_hands_a_reuse_layers_head_map_over_unapplied():
+    """The head-map rule's layer keys: the anchor's own selection (no copy) and the map, which layer_selection
+    applies; an anchor's keys need no map."""
+    plan = _base(_model())
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 6, 1, 16), torch.randn(1, 3, 90, 16)
+    step = plan_step(q, k, budget=plan.budget)
+    sels = {0: reference.select(q, k, budget=plan.budget, scale=0.25, kv_start=torch.zeros(1, dtype=torch.long),
+                                q_offset=89)}
+    sel, hm = layer_keys(plan, 1, sels, step)
+    assert sel is sels[0] and hm.tolist() == list(HM[1])
+    assert torch.equal(layer_selection(plan, 1, sels, step).indices, sel.take_heads(hm).indices)
+    assert layer_keys(plan, 0, sels, step) == (sels[0], None)
 
 
 def test_merge_ranked_dedups_by_best_priority_and_pads():

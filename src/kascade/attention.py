@@ -204,10 +204,10 @@ class Attention:
             else:
                 sel = self.selector(q, k, scale=scale, step=step)
             sels[layer] = gather_heads(sel, self.shard) if self.exchange else sel
-        keys = reuse.layer_selection(plan, layer, sels, step, self.heads)
+        keys, head_map = reuse.layer_keys(plan, layer, sels, step, self.heads)
         if self.account:
-            self._count(layer, keys, step, fwd.tail)
-        out = ops.sparse_attention(q, k, v, keys, scale=scale, step=step)
+            self._count(layer, keys if head_map is None else keys.take_heads(head_map), step, fwd.tail)
+        out = ops.sparse_attention(q, k, v, keys, scale=scale, step=step, heads=head_map)
         if fwd.tail is not None:  # the pass's last queries attend every key (over the sparse pass's rows: one tile)
             t = fwd.tail.queries
             out[:, :, -t:] = ops.dense_attention(q[:, :, -t:], k, v, scale=scale, step=fwd.tail)

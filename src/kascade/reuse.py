@@ -5,7 +5,8 @@ Every rule of the plan's :class:`~kascade.plan.Reuse` (the value, in :mod:`kasca
 runs on (reference or Triton), so the rules cost nothing beyond building it:
 
 - **head map** (the paper): KV head ``h`` of a reuse layer takes its anchor's head ``head_map[l][h]``
-  (:func:`remap`; an identity map reuses the anchor's indices as they are).
+  (:func:`remap`; an identity map reuses the anchor's indices as they are). :func:`layer_keys` hands the map over
+  unapplied, for the sparse attention op to read in place (``heads=``: no copy of the indices a layer).
 - **per-layer budgets** (``factor``): the anchors rank their keys (descending pooled probability) as deep as the
   largest budget among the layers they serve; a layer attends the first ``round(factor * c)`` keys of its row's
   ranking (:func:`prefix`, ``c`` the row's faithful budget, counted by :meth:`kascade.ops.Step.counts`). The
@@ -73,22 +74,26 @@ def _head_map(plan: KascadePlan, layer: int, device: torch.device, heads_key) ->
 _HEAD_MAPS: dict[int, tuple[KascadePlan, dict]] = {}
 
 
-def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
-    """The anchor's selection through ``layer``'s head map (a device tensor made once per plan, layer, device and
-    head layout; an identity map returns ``sel`` itself)."""
-    key = (layer, sel.indices.device, heads.key())
+def head_map(plan: KascadePlan, layer: int, device, heads: Heads = ALL_HEADS) -> torch.Tensor | None:
+    """``layer``'s head map as ``[H]`` int64 on ``device``: the stored selection's head each of the layer's KV heads
+    reads; None for the identity. Made once per plan, layer, device and head layout."""
+    key = (layer, device, heads.key())
     if torch.compiler.is_compiling():  # a constant of the graph
-        hm = _head_map(plan, *key)
-    else:
-        entry = _HEAD_MAPS.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            if len(_HEAD_MAPS) >= 256:
-                _HEAD_MAPS.clear()
-            entry = _HEAD_MAPS[id(plan)] = (plan, {})
-        memo = entry[1]
-        if key not in memo:
-            memo[key] = _head_map(plan, *key)
-        hm = memo[key]
+        return _head_map(plan, *key)
+    entry = _HEAD_MAPS.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        if len(_HEAD_MAPS) >= 256:
+            _HEAD_MAPS.clear()
+        entry = _HEAD_MAPS[id(plan)] = (plan, {})
+    memo = entry[1]
+    if key not in memo:
+        memo[key] = _head_map(plan, *key)
+    return memo[key]
+
+
+def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
+    """The anchor's selection through ``layer``'s head map (an identity map returns ``sel`` itself)."""
+    hm = head_map(plan, layer, sel.indices.device, heads)
     return sel if hm is None else sel.take_heads(hm)
 
 
@@ -109,19 +114,32 @@ def layer_selection(plan: KascadePlan, layer: int, selections: dict[int, Selecti
     """The keys ``layer`` attends: an anchor its own selection (``selections[layer]``), a reuse layer by the
     plan's rule from the anchors' selections. For a ranked plan the anchors' selections must be ranked
     (:func:`kascade.ops.select` with ``rank_factor=plan.rank_factor(anchor)``). ``heads``: see :class:`Heads`."""
+    sel, hm = layer_keys(plan, layer, selections, step, heads)
+    return sel if hm is None else sel.take_heads(hm)
+
+
+def layer_keys(plan: KascadePlan, layer: int, selections: dict[int, Selection], step: Step,
+               heads: Heads = ALL_HEADS) -> tuple[Selection, torch.Tensor | None]:
+    """:func:`layer_selection` as ``(selection, head map)``: KV head ``h`` attends the keys of the selection's head
+    ``map[h]`` (None: its own head's). A reuse layer of the head-map rule returns its anchor's selection (a prefix
+    view for a ranked plan) and its map unapplied, for ``kascade.ops.sparse_attention(..., heads=map)``; every
+    other layer and rule a selection of its own heads and None."""
     if plan.is_anchor(layer):
         own = selections[layer]
         if heads.gathered:
             own = own.narrow_heads(heads.shard.start, heads.shard.count)
-        return prefix(own, plan.layer_factor(layer), step) if plan.ranked else own
+        return (prefix(own, plan.layer_factor(layer), step) if plan.ranked else own), None
     r = plan.reuse
     if r.sources is None and not r.recent:
         anchor = plan.anchor_of(layer)
         if anchor not in selections:
             raise RuntimeError(f"Kascade: reuse layer {layer} found no selection from anchor {anchor}")
-        sel = remap(plan, layer, selections[anchor], heads)
-        return prefix(sel, plan.layer_factor(layer), step) if plan.ranked else sel
-    return merged(plan, layer, selections, step, heads)
+        sel = selections[anchor]
+        # a prefix counts keys per sequence (or, by attention mass, per head from each row's own count): it
+        # commutes with the head map
+        return (prefix(sel, plan.layer_factor(layer), step) if plan.ranked else sel), \
+            head_map(plan, layer, sel.indices.device, heads)
+    return merged(plan, layer, selections, step, heads), None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def test_small_budget_changes_the_output_and_disable_restores_it(forwards, op_ca
 
 
 def test_reuse_layer_follows_head_map(op_calls):
-    """A reuse layer's selection is its anchor's, head by head through the head map."""
+    """A reuse layer's selection is its anchor's, head by head through the head map (handed to the sparse attention
+    op with the anchor's selection, unapplied; an identity map is no map)."""
     model = tiny_model("llama", num_key_value_heads=3)
     fp = ModelFingerprint.from_model(model)
     plan = KascadePlan(fp, (0, 2), ((0, 1, 2), (2, 0, 0), (0, 1, 2), (1, 1, 2)), ratio=0.1, k_min=8, tile=16)
@@ -50,7 +51,9 @@ def test_reuse_layer_follows_head_map(op_calls):
     names = [n for n, *_ in op_calls]
     assert names == ["dense_select", "sparse_attention", "select", "sparse_attention", "sparse_attention"]
     sel0, sel2 = op_calls[0][3][1], op_calls[2][3]
-    seen = [args[3] for n, args, _, _ in op_calls if n == "sparse_attention"]  # layers 1, 2, 3 in order
+    passed = [(args[3], kw.get("heads")) for n, args, kw, _ in op_calls if n == "sparse_attention"]  # layers 1-3
+    assert all(sel is want for (sel, _), want in zip(passed, (sel0, sel2, sel2))) and passed[1][1] is None
+    seen = [sel if hm is None else sel.take_heads(hm) for sel, hm in passed]
     assert (sel0.indices >= 0).sum() > 0 and not torch.equal(sel0.indices[:, 0], sel0.indices[:, 2])
     assert torch.equal(seen[0].indices, sel0.indices[:, [2, 0, 0]])
     assert seen[1] is sel2

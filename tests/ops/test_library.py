@@ -57,7 +57,8 @@ def test_opcheck_decode_ops(backend, rank_factor):
     idx = library.OPS["select_decode"](q, k, meta, 40, 0.25, BUDGET.ratio, BUDGET.k_min, rank_factor, None, idx_dtype,
                                        backend)
     counts = None if rank_factor is None else dev(torch.tensor([3, 5], dtype=torch.int32))
-    _opcheck("sparse_decode", q, k, v, idx, counts, 0.25, backend)
+    _opcheck("sparse_decode", q, k, v, idx, counts, None, 0.25, backend)
+    _opcheck("sparse_decode", q, k, v, idx, counts, dev(torch.tensor([1, 1])), 0.25, backend)  # a head map
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -108,6 +108,29 @@ def test_selections_that_do_not_fit_the_call_are_refused():
         sparse_attention(q, k, v, Selection(sel.indices.float(), sel.row_start, 8, False))
 
 
+def test_a_head_map_reads_the_selection_through_it_and_bad_ones_are_refused():
+    """sparse_attention(heads=map): KV head h attends the selection's head map[h] (as take_heads gives it), for
+    prefill and decode, whatever the selection's head count; a map of the wrong type, shape or values is refused."""
+    q, k, v = _qkv(L=40, N=40)
+    sel = select(q, k, budget=BUDGET)
+    hm = torch.tensor([1, 1])
+    got = sparse_attention(q, k, v, sel, heads=hm)
+    assert torch.equal(got, sparse_attention(q, k, v, sel.take_heads(hm)))
+    assert not torch.equal(got, sparse_attention(q, k, v, sel)), "the map changed nothing"
+    wide = Selection(torch.cat([sel.indices, sel.indices.flip(1)], 1), sel.row_start, 8, False)  # 4 heads
+    assert torch.equal(sparse_attention(q, k, v, wide, heads=torch.tensor([3, 0])),
+                       sparse_attention(q, k, v, sel.take_heads(torch.tensor([0, 0]))))
+    qd = q[:, :, -1:]
+    sd = select(qd, k, budget=BUDGET)
+    assert torch.equal(sparse_attention(qd, k, v, sd, heads=hm), sparse_attention(qd, k, v, sd.take_heads(hm)))
+    for bad, needle in ((torch.tensor([1, 1], dtype=torch.int32), "int64 tensor of shape"),
+                        (torch.tensor([0, 1, 1]), r"shape \[H\]=\[2\]"), ([0, 1], "int64 tensor"),
+                        (torch.tensor([0, 2]), "names a head the selection does not have"),
+                        (torch.tensor([-1, 0]), "names a head")):
+        with pytest.raises(ValueError, match=needle):
+            sparse_attention(q, k, v, sel, heads=bad)
+
+
 def test_a_decode_selection_may_name_every_valid_key_and_no_other():
     q, k, v = _qkv(L=1, N=30)
     sel = select(q, k, budget=BUDGET, kv_start=[0, 10])

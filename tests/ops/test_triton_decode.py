@@ -390,6 +390,43 @@ def test_a_decode_layer_launches_one_kernel_per_pass(launches):
     assert not td._DONE[q.device].any()
 
 
+@pytest.mark.parametrize("src_heads,hmap,ranked", [(3, (2, 0, 0), False), (5, (4, 1, 3), False),
+                                                   (3, (1, 2, 1), True)], ids=["own", "more-heads", "ranked-prefix"])
+def test_a_head_map_is_read_in_place_by_the_sparse_pass(launches, src_heads, hmap, ranked):
+    """sparse_attention(heads=map) on a Triton decode step: one launch, no copy of the indices through the map, and
+    the output of the selection taken through the map (bit for bit: the same kernel reads the same rows), which is
+    the reference's. The selection may have more heads than the layer (a tensor-parallel rank's gathered one)."""
+    from kascade.ops import plan_step
+    from kascade.ops.selection import Selection
+
+    B, H, G, N, D = 2, 3, 2, 300, 64
+    g = torch.Generator().manual_seed(31)
+    q64, k64, v64 = masters(g, B, H, G, 1, N, D)
+    q, k, v = (dev(x.to(torch.bfloat16)) for x in (q64, k64, v64))
+    kv_start = torch.tensor([0, 41])
+    step = plan_step(q, k, budget=BUDGET, kv_start=kv_start, q_offset=N - 1, backend="triton")
+    K = 40
+    idx = torch.full((B, src_heads, 1, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(src_heads):
+            keys = torch.randperm(N - int(kv_start[b]), generator=g)[: K - 3 * h] + int(kv_start[b])
+            idx[b, h, 0, : keys.numel()] = keys if ranked else keys.sort().values
+    counts = dev(torch.tensor([25, 31], dtype=torch.int32)) if ranked else None
+    sel = Selection(dev(idx), dev(torch.zeros(B, dtype=torch.long)), BUDGET.tile, True, ranked, counts)
+    hm = dev(torch.tensor(hmap))
+    launches.clear()
+    got = sparse_attention(q, k, v, sel, scale=D**-0.5, step=step, heads=hm)
+    assert launches == ["_split_kernel"]
+    want = sparse_attention(q, k, v, sel.take_heads(hm), scale=D**-0.5, step=step)
+    assert torch.equal(got, want)
+    # the reference, unchecked calls (the head map's values checked too): exact on the bf16 inputs, and in bf16
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q64, k64, v64))
+    pos = dict(scale=D**-0.5, kv_start=kv_start, q_offset=N - 1)
+    hsel = host_selection(sel)
+    exact = sparse_attention(qb.double(), kb.double(), vb.double(), hsel, heads=hm.cpu(), **pos)
+    check_close(got, exact, sparse_attention(qb, kb, vb, hsel.take_heads(hm.cpu()), **pos), "sparse through a map")
+
+
 def test_row_counters_are_made_once_and_outgrown_ones_stay_alive(monkeypatch):
     """The merged passes' row counters: one zeroed buffer per device, reused by every launch (no allocation or
     memset per call), replaced by a larger one when a launch has more rows; the one replaced stays alive (a CUDA

@@ -303,13 +303,28 @@ def _select_by_mass(q, k, step: Step, scale: float, shared: bool, rank_factor,
                      kept=sel.kept)
 
 
-def _check_selection(sel: Selection, step: Step) -> None:
-    """A selection fits the step's queries: shape, rows, and (with host geometry) which keys it may name."""
+def _check_heads(heads, sel: Selection, step: Step, *, values: bool) -> None:
+    """A head map fits the step (``[H]`` integers on its device) and, with ``values``, names heads of ``sel``."""
+    if not isinstance(sel, Selection):
+        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(sel).__name__}")
+    if not isinstance(heads, torch.Tensor) or heads.dtype != torch.long or heads.shape != (step.kv_heads,):
+        raise ValueError(f"heads must be an int64 tensor of shape [H]=[{step.kv_heads}], got "
+                         f"{getattr(heads, 'dtype', type(heads).__name__)} {tuple(getattr(heads, 'shape', ()))}")
+    if heads.device != step.device:
+        raise ValueError(f"heads is on {heads.device}, the queries on {step.device}")
+    if values and sel.indices.dim() == 4 and not bool(((heads >= 0) & (heads < sel.indices.shape[1])).all()):
+        raise ValueError(f"heads {heads.tolist()} names a head the selection does not have (it has "
+                         f"{sel.indices.shape[1]})")
+
+
+def _check_selection(sel: Selection, step: Step, heads=None) -> None:
+    """A selection fits the step's queries: shape, rows, and (with host geometry) which keys it may name. With a
+    head map (``heads``) its head count is free: the map says which of its heads each KV head reads."""
     if not isinstance(sel, Selection):
         raise TypeError(f"selection must be a kascade.ops.Selection, got {type(sel).__name__}")
     idx = sel.indices
     B, H = step.batch, step.kv_heads
-    if idx.dim() != 4 or idx.shape[0] != B or idx.shape[1] != H:
+    if idx.dim() != 4 or idx.shape[0] != B or (idx.shape[1] != H and heads is None):
         raise ValueError(f"selection indices must be [B={B}, H={H}, R, K], got {tuple(idx.shape)}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"selection indices must be int32 or int64, got {idx.dtype}")
@@ -369,21 +384,30 @@ def _check_selection_values(sel: Selection, step: Step) -> None:
 
 
 def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None, q_offset=None, backend=None,
-                     step: Step | None = None):
+                     step: Step | None = None, heads=None):
     """Attention of each query over its row's selected keys (softmax renormalised over them), plus, in prefill,
     causal attention within its own tile. Returns ``[B, HQ, L, D]``.
 
-    Without ``step`` the selection is checked against the call in full (rows, key ranges, repeats); with ``step``
-    only its shape is (the runtime's hot path: selections made by this step's ops)."""
+    ``heads``: ``[H]`` int64 on the device (a reuse layer's head map, :func:`kascade.reuse.layer_keys`): KV head
+    ``h`` attends the keys of the selection's head ``heads[h]`` (the selection may have any number of heads), as
+    with ``selection.take_heads(heads)``; the Triton decode kernel reads the map in place.
+
+    Without ``step`` the selection is checked against the call in full (rows, key ranges, repeats, the head map's
+    values); with ``step`` only its shape is (the runtime's hot path: selections made by this step's ops)."""
     checked = step is not None
     own_tile = None if checked or not isinstance(selection, Selection) else Budget(tile=selection.tile)
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=own_tile)
-    _check_selection(selection, step)
+    if heads is not None:
+        _check_heads(heads, selection, step, values=not checked)
+        if step.meta is None or step.backend != "triton":
+            selection, heads = selection.take_heads(heads), None
+    _check_selection(selection, step, heads)
     if not checked:
-        _check_selection_values(selection, step)
+        _check_selection_values(selection if heads is None else selection.take_heads(heads), step)
     scale = _scale(scale, q)
     if step.meta is not None:
-        return library.call("sparse_decode", q, k, v, selection.indices, selection.counts, scale, step.backend)
+        return library.call("sparse_decode", q, k, v, selection.indices, selection.counts, heads, scale,
+                            step.backend)
     return library.call("sparse_attention", q, k, v, selection.indices, selection.row_start, selection.counts,
                         selection.ranked, selection.tile, step.kv_start, step.q_offset, scale, step.backend)
 

@@ -127,10 +127,11 @@ def _dense_select_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta
 
 
 def _sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                   counts: Optional[torch.Tensor], scale: float, backend: str) -> torch.Tensor:
+                   counts: Optional[torch.Tensor], heads: Optional[torch.Tensor], scale: float,
+                   backend: str) -> torch.Tensor:
     if backend == "triton":
-        return _triton(True).sparse_decode(q, k, v, indices, scale=scale, counts=counts)
-    return reference.sparse_decode(q, k, v, indices, scale=scale, counts=counts)
+        return _triton(True).sparse_decode(q, k, v, indices, scale=scale, counts=counts, heads=heads)
+    return reference.sparse_decode(q, k, v, indices, scale=scale, counts=counts, heads=heads)
 
 
 def _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend):
@@ -220,7 +221,7 @@ OPS = {
             _out_like(q, backend), _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype,
                                                        backend))),
     "sparse_decode": _register("sparse_decode", _sparse_decode,
-                               lambda q, k, v, indices, counts, scale, backend: _out_like(q, backend)),
+                               lambda q, k, v, indices, counts, heads, scale, backend: _out_like(q, backend)),
     "dense_attention": _register("dense_attention", _dense_attention,
                                  lambda q, k, v, kv_start, q_offset, scale, backend: _out_like(q, backend)),
     "select": _register("select", _select, _fake_select),

@@ -55,7 +55,7 @@ from .launch import launch
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _split_kernel(
-    Q, K, V, Idx, Cnt, Meta, BT, Out, Ws, Done, Sc, Hist, SQ, SK,
+    Q, K, V, Idx, Cnt, HM, Meta, BT, Out, Ws, Done, Sc, Hist, SQ, SK,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,  # contiguous: batch, head, slot; paged: page, head, slot-in-page
     stride_vb, stride_vh, stride_vn,
@@ -71,7 +71,7 @@ def _split_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, HAS_V: tl.constexpr,
     WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr, NHIST: tl.constexpr, RNE: tl.constexpr,
     HAS_CNT: tl.constexpr, MAXB: tl.constexpr, SB: tl.constexpr, FP8: tl.constexpr = False,
-    FP8_MMA: tl.constexpr = False, MERGE: tl.constexpr = True,
+    FP8_MMA: tl.constexpr = False, MERGE: tl.constexpr = True, HAS_HM: tl.constexpr = False,
 ):
     """One program = (split, KV head, sequence), all G query heads of the group (padded to GP rows). FP8 (the
     scoring pass of FP8 or INT8 scoring, contiguous caches): ``Q``, ``K`` e4m3 or int8, ``SQ [B, HQ]`` and ``SK [B,
@@ -80,7 +80,8 @@ def _split_kernel(
     ``Ws``: the pass's fp32 scratch, ``[Mx [B, HQ, S]] [Ls [B, HQ, S]] [Acc [B, HQ, S, D] (with V and S > 1)]``, Acc
     at the first multiple of 64 elements.
     ``Done [>= B * H]`` int32, zero between launches: with V and S > 1, the row's last program to finish merges
-    (MERGE; else :func:`_merge_kernel`, launched after, does)."""
+    (MERGE; else :func:`_merge_kernel`, launched after, does).
+    ``HM [H]`` (SPARSE, HAS_HM): KV head ``h`` reads index row ``HM[h]`` of ``Idx`` (a reuse layer's head map)."""
     split = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -115,7 +116,10 @@ def _split_kernel(
         # index (one strided load), then the last of them. A mask from positions alone, not from the indices
         # loaded in the loop, leaves the loop one chain (index -> address -> K / V rows) for the software
         # pipeliner to prefetch stages ahead.
-        row_idx = Idx + b64 * stride_ib + h * stride_ih
+        hs = h
+        if HAS_HM:  # a reuse layer's head map: this KV head reads the index row of the anchor's head HM[h]
+            hs = tl.load(HM + h).to(tl.int32)
+        row_idx = Idx + b64 * stride_ib + hs * stride_ih
         jb = lo + tl.arange(0, MAXB) * BLOCK_N
         nblk = tl.sum((tl.load(row_idx + jb, mask=jb < hi, other=-1) >= 0).to(tl.int32), 0)
         j_last = lo + (nblk - 1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -348,7 +352,7 @@ class _Plan:
     sc: int  # offset of Sc
     pooled: int  # offset of Pooled
     size: int  # elements of the scratch
-    variants: dict = field(default_factory=dict, compare=False)  # (page, merged) -> the launch's constexprs: one dict
+    variants: dict = field(default_factory=dict, compare=False)  # (page, merged, head map) -> the launch's constexprs
 
 
 def _merge_block(S: int, D: int) -> int:
@@ -425,15 +429,16 @@ def _counters(device, n: int) -> torch.Tensor:
 
 
 def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, has_v, write_scores, sc_row,
-               counts=None, num_splits=None, block_n=None, num_warps=None, num_stages=None, programs_per_sm=None,
-               fp8=None, fused_merge=None):
+               counts=None, heads=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
+               programs_per_sm=None, fp8=None, fused_merge=None):
     """Launch the split-K kernel (one launch: the partials of several splits are merged by the row's last program).
     Returns (out, Stats, Sc, Pooled, Hist, S); for the scoring passes (``write_scores``, else None) what the
     selection reads: ``Stats`` (the scratch: Mx ``[B, HQ, S]`` then Ls), the scores ``Sc`` and room for the pooled
     rows (1-d views of it, rows of ``sc_row``), the histograms ``[B*H, NHIST]`` int32. ``fp8``: ``(sq [B, HQ, 1],
     sk [B, H, N])``, the scales of e4m3 / int8 ``q`` and ``k`` (the scoring pass of FP8 / INT8 scoring).
     ``fused_merge``: whether the row's last program merges (one launch) or :func:`_merge_kernel` does (a second
-    launch); default: fused, but while a CUDA graph is being captured."""
+    launch); default: fused, but while a CUDA graph is being captured. ``heads``: the sparse pass's head map
+    (:func:`sparse_decode`)."""
     B, HQ, H, G, D = _heads(q, k, block_table)
     dev = q.device
     kind = "sparse" if sparse else ("dense_scores" if has_v else "score") if write_scores else "dense"
@@ -450,6 +455,8 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
         assert idx.dim() == 4 and idx.shape[2] == 1 and istr[-1] == 1
     if counts is not None:
         assert sparse and counts.dtype == torch.int32 and counts.shape == (B,) and counts.is_contiguous()
+    if heads is not None:
+        assert sparse and heads.dtype in (torch.int32, torch.int64) and heads.shape == (H,) and heads.is_contiguous()
     if write_scores:
         Sc = ws[p.sc:p.pooled]
         Hist = torch.empty(B * H, topk.NHIST, dtype=torch.int32, device=dev)
@@ -465,12 +472,14 @@ def _run_split(q, k, v, idx, meta, block_table, out, *, scale, n_keys, sparse, h
     assert (fp8 is not None) == (q.dtype in (torch.float8_e4m3fn, torch.int8))
     assert fp8 is None or not (has_v or paged)
     sq, sk = fp8 if fp8 is not None else (ws, ws)
-    consts = p.variants.get((page, fused))
+    hm = heads is not None
+    consts = p.variants.get((page, fused, hm))
     if consts is None:
-        consts = p.variants[(page, fused)] = dict(PAGE=max(page, 1), MERGE=fused, **p.consts)
+        consts = p.variants[(page, fused, hm)] = dict(PAGE=max(page, 1), MERGE=fused, HAS_HM=hm, **p.consts)
     launch(_split_kernel, (p.S, H, B), (
         q, k, v if v is not None else k, idx if sparse else ws, counts if counts is not None else ws,
-        meta.tensor if meta is not None else ws, block_table if paged else ws, out if out is not None else ws, ws,
+        heads if hm else ws, meta.tensor if meta is not None else ws, block_table if paged else ws,
+        out if out is not None else ws, ws,
         done, Sc, Hist, sq, sk,
     ), (
         qs[0], qs[1], *ks, *vs,
@@ -505,7 +514,8 @@ def dense_decode(q, k, v, *, scale, kv_start=None, q_offset=None, block_table=No
     return out
 
 
-def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, out=None, counts=None, **cfg):
+def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, out=None, counts=None, heads=None,
+                  **cfg):
     """Decode attention over the selected keys only (softmax renormalised over them). ``-> [B, HQ, 1, D]``.
 
     indices: ``[B, H, 1, K]`` int32 or int64, ascending, -1 padding at the end (a :class:`Selection`'s ``indices``
@@ -516,12 +526,16 @@ def sparse_decode(q, k, v, indices, *, scale, kv_start=None, block_table=None, o
     counts: ``[B]`` int32 on the device (optional): sequence ``b`` attends only the first ``counts[b]`` entries of
     its rows (the prefix of a ranked selection, :meth:`kascade.ops.Step.counts`), as if the rest were -1; the order
     of the entries does not matter.
+
+    heads: ``[H]`` int32 or int64 on the device (optional): KV head ``h`` attends row ``heads[h]`` of ``indices``
+    (whose head count may differ from ``k``'s): a reuse layer's head map read in place, what ``indices[:,
+    heads]`` would give without making it (a launch and an allocation a layer).
     """
     del kv_start
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     out, *_ = _run_split(q, k, v, indices, None, block_table, out, scale=scale, n_keys=indices.shape[-1],
-                         sparse=True, has_v=True, write_scores=False, sc_row=0, counts=counts, **cfg)
+                         sparse=True, has_v=True, write_scores=False, sc_row=0, counts=counts, heads=heads, **cfg)
     return out
 
 
