@@ -179,6 +179,27 @@ def test_host_overhead_runs_and_times_every_layer_kind(capsys):
     assert "| reuse |" in capsys.readouterr().out
 
 
+def test_host_overhead_grows_a_dynamic_cache_through_rotated_head_maps(monkeypatch):
+    """--cache dynamic --head-maps rotated: every step one key more (the mask function sees each length), and the
+    reuse layers read their anchors' selections through rotated head maps (benchmarks.common.plans)."""
+    from benchmarks import host_overhead
+    from benchmarks.common.plans import uniform_plan
+    from kascade.integration import functions
+    from kascade.plan import ModelFingerprint
+    from transformers import LlamaConfig
+
+    lengths, mask = [], functions.kascade_mask
+    monkeypatch.setattr(functions, "kascade_mask", lambda **kw: (lengths.append(kw["kv_length"]), mask(**kw))[1])
+    r = host_overhead.main(["--steps", "3", "--keys", "300", "--layers", "6", "--anchors", "2", "--device", "cpu",
+                            "--cache", "dynamic", "--head-maps", "rotated"])
+    assert lengths == list(range(300, 323)) and r["setup"]["cache"] == "dynamic"
+    assert r["setup"]["head_maps"] == "rotated" and r["us"]["reuse"] > 0
+    fp = ModelFingerprint.from_config(LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                                  hidden_size=64))
+    plan = uniform_plan(fp, 2, "rotated")
+    assert plan.anchors == (0, 3) and plan.head_map[3] == (0, 1) and plan.head_map[1] == plan.head_map[5] == (1, 0)
+
+
 def test_eager_decode_quick_runs_every_measurement(tmp_path):
     """python -m benchmarks.eager_decode --quick (tiny shapes; on a CPU the kernels in Triton's interpreter): every
     layer call and both generate runs get a time, and the JSON and the summary are written."""
