@@ -6,7 +6,7 @@ runs on (reference or Triton), so the rules cost nothing beyond building it:
 
 - **head map** (the paper): KV head ``h`` of a reuse layer takes its anchor's head ``head_map[l][h]``
   (:func:`remap`; an identity map reuses the anchor's indices as they are). :func:`layer_keys` hands the map over
-  unapplied, for the sparse attention op to read in place (``heads=``: no copy of the indices a layer).
+  unapplied, for the sparse attention op's Triton kernels to read in place (``heads=``: no copy of the indices).
 - **per-layer budgets** (``factor``): the anchors rank their keys (descending pooled probability) as deep as the
   largest budget among the layers they serve; a layer attends the first ``round(factor * c)`` keys of its row's
   ranking (:func:`prefix`, ``c`` the row's faithful budget, counted by :meth:`kascade.ops.Step.counts`). The

@@ -78,9 +78,11 @@ def test_opcheck_host_geometry_ops(backend):
         _opcheck("select", q, k, *args, None, False, score_dtype, rows, width, step.index_dtype, backend)
     _opcheck("dense_select", q, k, v, *args, 2.0, rows, step.counts(2.0)[1], step.index_dtype, backend)
     idx, row_start = library.OPS["select"](q, k, *args, None, False, None, rows, width, step.index_dtype, backend)
-    _opcheck("sparse_attention", q, k, v, idx, row_start, None, False, b.tile, ks, 10, 0.25, backend)
+    _opcheck("sparse_attention", q, k, v, idx, row_start, None, None, False, b.tile, ks, 10, 0.25, backend)
+    _opcheck("sparse_attention", q, k, v, idx, row_start, None, dev(torch.tensor([1, 0])), False, b.tile, ks, 10, 0.25,
+             backend)  # a head map
     counts = step.counts(0.5)[0]
-    _opcheck("sparse_attention", q, k, v, idx, row_start, counts, True, b.tile, ks, 10, 0.25, backend)
+    _opcheck("sparse_attention", q, k, v, idx, row_start, counts, None, True, b.tile, ks, 10, 0.25, backend)
 
 
 def test_the_eager_call_and_the_registered_op_compute_the_same():

@@ -296,6 +296,39 @@ def test_sparse_prefill_with_counts_attends_each_rows_prefix():
     assert not torch.allclose(got, full), "the counts changed nothing"
 
 
+@pytest.mark.parametrize("src_heads,hmap", [(2, (1, 1)), (3, (2, 0))], ids=["own", "more-heads"])
+def test_a_head_map_is_read_in_place_by_the_sparse_prefill_pass(monkeypatch, src_heads, hmap):
+    """sparse_attention(heads=map) on a Triton prefill step: the kernel reads the selection through the map (no
+    copy: Selection.take_heads is not called), with the output of the selection taken through it (bit for bit),
+    the reference's within the tolerance; the selection may have more heads than the layer."""
+    from kascade.ops import plan_step, select, sparse_attention
+    from kascade.ops.selection import Selection
+
+    B, H, G, D, T = 2, 2, 2, 64, 16
+    N = L = 96
+    g = torch.Generator().manual_seed(17)
+    q64, k64, v64 = masters(g, B, H, G, L, N, D)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q64, k64, v64))
+    budget = Budget(ratio=0.25, k_min=8, tile=T)
+    kv_start = torch.tensor([0, 20])
+    pos = dict(scale=D**-0.5, kv_start=kv_start, q_offset=0)
+    sel = select(qb, kb, budget=budget, **pos)
+    if src_heads > H:  # a rank's gathered selection: more heads than it runs
+        sel = Selection(torch.cat([sel.indices, sel.indices[:, :1]], 1), sel.row_start, T, False)
+    hm = torch.tensor(hmap)
+    q, k, v = dev(qb), dev(kb), dev(vb)
+    step = plan_step(q, k, budget=budget, kv_start=kv_start, q_offset=0, backend="triton")
+    dsel = dev_selection(Selection(sel.indices.to(torch.int32), sel.row_start, T, False))
+    want = sparse_attention(q, k, v, dsel.take_heads(dev(hm)), scale=D**-0.5, step=step)
+    taken = []
+    monkeypatch.setattr(Selection, "take_heads", lambda self, m: taken.append(m))
+    got = sparse_attention(q, k, v, dsel, scale=D**-0.5, step=step, heads=dev(hm))
+    assert taken == [] and torch.equal(got, want)
+    monkeypatch.undo()
+    exact = sparse_attention(qb.double(), kb.double(), vb.double(), sel, heads=hm, **pos)
+    check_close(got, exact, sparse_attention(qb, kb, vb, sel.take_heads(hm), **pos), "sparse prefill through a map")
+
+
 def test_rows_into_writes_offset_slots_into_strided_rows():
     """topk.rows_into, prefill's radix select of a chunk of rows in place: each row's top keys as offset slots
     (meta's first column) written into a strided view of a larger index tensor (row r at out[r // out_rows,

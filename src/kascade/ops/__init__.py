@@ -390,7 +390,7 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
 
     ``heads``: ``[H]`` int64 on the device (a reuse layer's head map, :func:`kascade.reuse.layer_keys`): KV head
     ``h`` attends the keys of the selection's head ``heads[h]`` (the selection may have any number of heads), as
-    with ``selection.take_heads(heads)``; the Triton decode kernel reads the map in place.
+    with ``selection.take_heads(heads)``; the Triton kernels read the map in place.
 
     Without ``step`` the selection is checked against the call in full (rows, key ranges, repeats, the head map's
     values); with ``step`` only its shape is (the runtime's hot path: selections made by this step's ops)."""
@@ -399,8 +399,8 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=own_tile)
     if heads is not None:
         _check_heads(heads, selection, step, values=not checked)
-        if step.meta is None or step.backend != "triton":
-            selection, heads = selection.take_heads(heads), None
+        if step.backend != "triton" or (selection.counts is not None and selection.counts.dim() == 3):
+            selection, heads = selection.take_heads(heads), None  # no kernel reads it: a copy through the map
     _check_selection(selection, step, heads)
     if not checked:
         _check_selection_values(selection if heads is None else selection.take_heads(heads), step)
@@ -409,7 +409,7 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
         return library.call("sparse_decode", q, k, v, selection.indices, selection.counts, heads, scale,
                             step.backend)
     return library.call("sparse_attention", q, k, v, selection.indices, selection.row_start, selection.counts,
-                        selection.ranked, selection.tile, step.kv_start, step.q_offset, scale, step.backend)
+                        heads, selection.ranked, selection.tile, step.kv_start, step.q_offset, scale, step.backend)
 
 
 def attended_keys(selection: Selection | None, *, kv_start, q_offset: int, L: int, num_kv_heads: int) -> tuple[int, int]:

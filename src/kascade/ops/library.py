@@ -184,12 +184,14 @@ def _fit(indices: torch.Tensor, rows: int, width: int) -> torch.Tensor:
 
 
 def _sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                      row_start: torch.Tensor, counts: Optional[torch.Tensor], ranked: bool, tile: int,
-                      kv_start: torch.Tensor, q_offset: int, scale: float, backend: str) -> torch.Tensor:
+                      row_start: torch.Tensor, counts: Optional[torch.Tensor], heads: Optional[torch.Tensor],
+                      ranked: bool, tile: int, kv_start: torch.Tensor, q_offset: int, scale: float,
+                      backend: str) -> torch.Tensor:
     sel = Selection(indices, row_start, tile, q.shape[2] == 1, ranked, counts)
     if backend == "triton":
         return _triton(False).sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset,
-                                             counts=counts)
+                                             counts=counts, heads=heads)
+    sel = sel if heads is None else sel.take_heads(heads)
     return reference.sparse_attention(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset)
 
 
@@ -232,8 +234,8 @@ OPS = {
                                                        rank_factor, False, None, rows, width, index_dtype, backend))),
     "sparse_attention": _register(
         "sparse_attention", _sparse_attention,
-        lambda q, k, v, indices, row_start, counts, ranked, tile, kv_start, q_offset, scale, backend: _out_like(
-            q, backend)),
+        lambda q, k, v, indices, row_start, counts, heads, ranked, tile, kv_start, q_offset, scale, backend:
+        _out_like(q, backend)),
 }
 _IMPL = {"dense_decode": _dense_decode, "select_decode": _select_decode, "dense_select_decode": _dense_select_decode,
          "sparse_decode": _sparse_decode, "dense_attention": _dense_attention, "select": _select,

@@ -352,7 +352,7 @@ def _score_kernel(
 
 @triton.jit
 def _sparse_kernel(
-    Q, K, V, Out, Idx, Cnt, KvStart, RowStart,
+    Q, K, V, Out, Idx, Cnt, HM, KvStart, RowStart,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -362,9 +362,10 @@ def _sparse_kernel(
     L, q_offset, n_idx, qk_scale,
     G: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NRB: tl.constexpr,
     BLOCK_N: tl.constexpr, MAXB: tl.constexpr, F32: tl.constexpr, RNE: tl.constexpr, HAS_CNT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, HAS_HM: tl.constexpr = False,
 ):
     """One program = (row block of a tile, selection row r, KV head, sequence): M rows of the tile's G*T.
+    HAS_HM: KV head ``h`` reads the index rows of head ``HM[h]`` of ``Idx`` (a reuse layer's head map).
     PREFETCH: each block's indices are loaded an iteration ahead, into registers; the gathered K / V rows then no
     longer depend on a load of the same iteration, and Triton's pipeliner keeps them ``num_stages - 1`` blocks in
     flight (without it: one, issued at the end of the iteration before) at the price of that much more shared
@@ -390,7 +391,10 @@ def _sparse_kernel(
                     + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [M, D]
         k_base = K + b64 * stride_kb + h * stride_kh
         v_base = V + b64 * stride_vb + h * stride_vh
-        idx_row = Idx + b64 * stride_ib + h * stride_ih + r.to(tl.int64) * stride_ir
+        hs = h
+        if HAS_HM:
+            hs = tl.load(HM + h).to(tl.int32)
+        idx_row = Idx + b64 * stride_ib + hs * stride_ih + r.to(tl.int64) * stride_ir
 
         n_row = n_idx
         if HAS_CNT:  # only the first Cnt[b, r] entries of the row (the prefix of a ranked selection)
@@ -798,13 +802,15 @@ def _select_group(q, k, lse, ks, rs, host_start, first_t, count_t, budgets_host,
 
 
 def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_offset=None, step=None, out=None,
-                   counts=None, block_n=None, block_m=None, num_warps=None, num_stages=None, prefetch=None,
-                   maxnreg=None):
+                   counts=None, heads=None, block_n=None, block_m=None, num_warps=None, num_stages=None,
+                   prefetch=None, maxnreg=None):
     """Attention of each tile's queries to the tile's selected keys plus causally to the tile's own keys (softmax
     renormalised over both). ``selection``: a prefill :class:`Selection` (int32 or int64 absolute slots, rows
     ascending with -1 padding at the end). ``counts`` (optional, ``[B, R]`` int32 on the device): row ``r`` of
     sequence ``b`` attends only its first ``counts[b, r]`` entries (the prefix of a ranked selection, whose rows
-    are in rank order: the order does not matter). The launch (``block_n``, ``block_m``: rows a program, by default
+    are in rank order: the order does not matter). ``heads`` (optional, ``[H]`` int32 or int64 on the device): KV
+    head ``h`` attends the rows of the selection's head ``heads[h]`` (a reuse layer's head map, read in place; the
+    selection may have any number of heads). The launch (``block_n``, ``block_m``: rows a program, by default
     a tile's G*T up to 128; ``num_warps``, ``num_stages``) defaults to :data:`LAUNCH`'s per head dim; ``prefetch``
     (default: the table's): load each block's indices an iteration ahead. ``maxnreg``: a bound on the registers per
     thread that ptxas may use (more programs per SM, at the risk of spills; default: the table's, and none with a
@@ -816,7 +822,9 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     idx = selection.indices
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
-    assert idx.dim() == 4 and idx.shape[:2] == (B, H) and not selection.decode
+    assert idx.dim() == 4 and idx.shape[0] == B and (idx.shape[1] == H or heads is not None) and not selection.decode
+    if heads is not None:
+        assert heads.dtype in (torch.int32, torch.int64) and heads.shape == (H,) and heads.is_contiguous()
     R, KI = idx.shape[2], idx.shape[3]
     rs = selection.row_start.to(device=dev, dtype=torch.int32)
     f32, rne = flags(q)
@@ -831,13 +839,13 @@ def sparse_prefill(q, k, v, selection: Selection, *, scale, kv_start=None, q_off
     if counts is not None:
         assert counts.dtype == torch.int32 and counts.shape == (B, R) and counts.stride(-1) == 1
     _sparse_kernel[(R * NRB, H, B)](
-        q, k, v, out, idx, counts if counts is not None else rs, ks, rs,
+        q, k, v, out, idx, counts if counts is not None else rs, heads if heads is not None else rs, ks, rs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), counts.stride(0) if counts is not None else 0,
         L, q_offset, KI, scale * LOG2E,
         G=G, T=T, TP=max(16, next_power_of_2(T)), D=D, M=M, NRB=NRB, BLOCK_N=bn, MAXB=maxb, F32=f32, RNE=rne,
-        HAS_CNT=counts is not None, PREFETCH=ahead, num_warps=nw, num_stages=ns,
+        HAS_CNT=counts is not None, PREFETCH=ahead, HAS_HM=heads is not None, num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     for b, s in enumerate(host_start.tolist()):  # queries at padding slots belong to no tile
