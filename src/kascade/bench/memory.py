@@ -67,11 +67,13 @@ def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, lengt
     else:
         dense = repeat_kv if graph else 0
 
-    # Kascade: the selections held at once ([B, H, rows, k] each: the anchors later layers still read, and a reuse
-    # layer's remapped copy), int32 from the Triton kernels plus their scratch (the LSE and the scoring buffer);
-    # the reference's are int64 with two more copies while an anchor selects (per sequence, then stacked: at most
-    # twice what is held), plus its fp32 math (_reference_scratch)
-    sel = max(_selection_elems(p, B, L, chunk) for p in (plan, *(p for _, p in plan.by_length)))
+    # Kascade: the selections held at once ([B, H, rows, k] each: the anchors later layers still read, and on the
+    # reference a reuse layer's copy through its head map; the Triton kernels read the map in place), int32 from the
+    # Triton kernels plus their scratch (the LSE and the scoring buffer); the reference's are int64 with two more
+    # copies while an anchor selects (per sequence, then stacked: at most twice what is held), plus its fp32 math
+    # (_reference_scratch)
+    sel = max(_selection_elems(p, B, L, chunk, remapped=backend != "triton")
+              for p in (plan, *(p for _, p in plan.by_length)))
     if backend == "triton":
         kascade = 4 * sel + 4 * B * HQ * chunk + TRITON_SELECT_SCRATCH
     else:
@@ -82,15 +84,16 @@ def estimate_bytes(config, plan: KascadePlan, *, weights: int, batch: int, lengt
                 activations=act, logits=logits, dense=dense, kascade=kascade, noattn=noattn)
 
 
-def _selection_elems(plan: KascadePlan, batch: int, length: int, chunk: int) -> int:
+def _selection_elems(plan: KascadePlan, batch: int, length: int, chunk: int, remapped: bool = True) -> int:
     """Entries of the selections Kascade's runtime holds at once in a prefill chunk of ``plan`` (before a layer runs
-    it drops the selections no later layer reads): the most anchors still read at any layer, plus one remapped
-    copy, each ``[B, H, rows, width]`` with ``width`` the budget ``k(L)`` as deep as ranked anchors keep it."""
+    it drops the selections no later layer reads): the most anchors still read at any layer, plus (``remapped``) a
+    reuse layer's copy through its head map, each ``[B, H, rows, width]`` with ``width`` the budget ``k(L)`` as deep as
+    ranked anchors keep it."""
     live = max(sum(1 for a in plan.anchors if a <= layer <= plan.last_reader(a)) for layer in range(plan.num_layers))
     rank_factor = max(plan.rank_factor(a) for a in plan.anchors) if plan.ranked else 1.0
     rows = -(-chunk // plan.tile) + 1  # a chunk that starts inside a tile has one row more
     width = math.ceil(plan.budget.k(length) * rank_factor)
-    return (live + 1) * batch * plan.fingerprint.num_kv_heads * rows * width
+    return (live + remapped) * batch * plan.fingerprint.num_kv_heads * rows * width
 
 
 def _reference_scratch(fp: ModelFingerprint, plan: KascadePlan, batch: int, length: int, chunk: int,
