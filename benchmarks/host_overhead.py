@@ -51,8 +51,8 @@ def _parse(argv):
                    "DynamicCache, what eager generate uses): the step's geometry and the tensors' strides change")
     p.add_argument("--head-maps", choices=HEAD_MAPS, default="identity",
                    help="the reuse layers' head maps: identity (the uniform plan's) or rotated (KV head h follows its "
-                   "anchor's head h + 1: what a calibrated plan's reuse layers mostly do, 24 of the default model's "
-                   "30 layers)")
+                   "anchor's head h + 1: a calibrated plan's reuse layers follow other heads, all 24 of the default "
+                   "model's)")
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")

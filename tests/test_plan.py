@@ -159,6 +159,16 @@ def test_shipped_plans_load():
     assert ranked and all(p.ranked and p.reuse.factor is not None and p.calibrated for p in ranked)
 
 
+def test_every_reuse_layer_of_the_default_models_plan_follows_other_heads():
+    """What getting started and benchmarks.common.plans say of a calibrated plan's head maps."""
+    from kascade.plan import shipped_plans
+
+    (plan,) = [p for p in shipped_plans() if p.fingerprint.num_layers == 30]  # SmolLM2-135M's
+    reuse = [layer for layer in range(30) if not plan.is_anchor(layer)]
+    assert len(reuse) == 24
+    assert all(plan.head_map[layer] != tuple(range(plan.fingerprint.num_kv_heads)) for layer in reuse)
+
+
 @pytest.mark.parametrize("changes,needle", [
     (dict(sources=((((0, 0),), ((0, 1),), ((0, 2),)),) * 8), "is an anchor"),
     (dict(factor=(1.0,) * 7), "one entry per layer"), (dict(factor=(1.0, 0, 1, 1, 1, 1, 1, 1)), "> 0"),

@@ -8,8 +8,8 @@ HEAD_MAPS = ("identity", "rotated")
 
 def uniform_plan(fingerprint, anchors: int, head_maps: str = "identity"):
     """``anchors`` evenly spaced anchors (:meth:`kascade.KascadePlan.uniform`). ``head_maps="rotated"``: each reuse
-    layer's KV head ``h`` follows its anchor's head ``h + 1`` (mod H), as most reuse layers of a calibrated plan
-    follow another head than their own (24 of the default model's 30 layers): the sparse pass then reads the anchor's
+    layer's KV head ``h`` follows its anchor's head ``h + 1`` (mod H), as the reuse layers of a calibrated plan
+    follow other heads than their own (all 24 of the default model's): the sparse pass then reads the anchor's
     selection through a head map, which the identity map skips."""
     from kascade.plan import KascadePlan
 
