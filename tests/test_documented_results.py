@@ -208,6 +208,33 @@ def test_getting_started_direct_launch_sentence():
         assert len(cuts) == 4 and (f"{100 * min(cuts):.0f}", f"{100 * max(cuts):.0f}") == found[2 * i:2 * i + 2], cuts
 
 
+def test_getting_started_head_maps_sentences():
+    """The before / after figures of the dynamic-cache launches and in-place head maps (results/h100.json
+    eager_head_maps), as the getting-started page reads them."""
+    text = _text(DOCS / "getting_started.md")
+    t = tables.results("h100")["eager_head_maps"]
+    lay = {r["keys"]: r for r in t["layers"]}
+
+    def pair(r, key, field):
+        return f"{r[key]['before'][field]:.0f}", f"{r[key]['after'][field]:.0f}"
+    sdpa = [lay[n]["sdpa"][w]["host_us"] for n in lay for w in ("before", "after")]
+    assert _find(r"a dense SDPA call took (\d+) to (\d+) us on it", text) == (f"{min(sdpa):.0f}", f"{max(sdpa):.0f}")
+    assert _find(r"from (\d+) to (\d+) us at 32K and from (\d+) to (\d+) us at 128K", text) == \
+        pair(lay[32768], "reuse", "graph_us") + pair(lay[131072], "reuse", "graph_us")
+    a, b = pair(lay[32768], "reuse", "back_to_back_us"), pair(lay[131072], "reuse", "back_to_back_us")
+    assert _find(r"back\s+to back in (\d+) us instead of (\d+) \(32K\), (\d+) instead of (\d+) \(128K\)", text) == \
+        (a[1], a[0], b[1], b[0])
+    gen = {g["keys"]: [g[w]["dense_itl_ms"] / g[w]["kascade_itl_ms"] for w in ("before", "after")]
+           for g in t["generate"]}
+    assert _find(r"from ([\d.]+)x to ([\d.]+)x\s+of dense at 32K and from ([\d.]+)x to ([\d.]+)x at 128K", text) == \
+        tuple(f"{x:.2f}" for x in gen[32768] + gen[131072])
+    assert all(x < 1 for x in gen[32768] + gen[131072])  # "still slower than dense"
+    assert _find(r"\((\d+) to (\d+) us host at 32K\)", text) == pair(lay[32768], "anchor", "host_us")
+    steps = [h for h in t["host_overhead"] if h["before"]]
+    assert _find(r"32-layer step's \((\d+) to (\d+), (\d+) to (\d+)\)", text) == \
+        tuple(f"{h[w]['anchor']:.0f}" for h in steps for w in ("before", "after"))
+
+
 def test_calibration_cost_model_error():
     (pct,) = _find(r"Within (\d+)% for Llama-3.1-8B shapes", _text(DOCS / "calibration.md"))
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in tables.cost_model_rows() if r["model"] == "llama8b"]

@@ -164,6 +164,32 @@ def eager_launch(card: str) -> str:
                                  "direct (2 runs)"], step))
 
 
+def eager_head_maps(card: str) -> str:
+    """Eager decoding before and after a dynamic cache's launches were kept and head maps read in place (one run
+    each): one layer (rotated head maps), eager ``generate``, and a 32-layer step's host time."""
+    t = results(card)["eager_head_maps"]
+    names = {"reuse": "Kascade reuse layer", "anchor": "Kascade anchor layer", "sdpa": "dense (SDPA), for scale"}
+
+    def ba(r, k):
+        return f"{r['before'][k]:.0f} -> {r['after'][k]:.0f}" if r.get("before") else f"- -> {r['after'][k]:.0f}"
+    rows = [[_n(r["keys"]) if i == 0 else "", name, *(ba(r[k], f) for f in ("host_us", "back_to_back_us", "graph_us"))]
+            for r in t["layers"] for i, (k, name) in enumerate(names.items())]
+    gen = [[_n(g["keys"]), f"{g['layers']} ({', '.join(map(str, g['anchors']))})",
+            *(f"{g[w]['dense_itl_ms']:.2f} / {g[w]['kascade_itl_ms']:.2f}" for w in ("before", "after")),
+            " -> ".join(_x(g[w]["dense_itl_ms"] / g[w]["kascade_itl_ms"]) for w in ("before", "after"))]
+           for g in t["generate"]]
+    step = [[f"{h['cache']} cache, {h['head_maps']} head maps", ba(h, "reuse"), ba(h, "anchor"), ba(h, "layer0"),
+             *(f"{h[w]['step_kascade']:.0f} / {h[w]['step_dense']:.0f}" if h.get(w) else "-"
+               for w in ("before", "after"))]
+            for h in t["host_overhead"]]
+    return (_table(["keys", "call (one layer, B=1, rotated head maps)", "host us", "back to back us", "CUDA graph us"],
+                   rows) + "\n\n"
+            + _table(["keys", "eager `generate`: layers (anchors)", "ms per token dense / Kascade, before",
+                      "after", "speedup"], gen) + "\n\n"
+            + _table(["a 32-layer step (4K keys), host us", "reuse layer", "anchor", "layer 0",
+                      "step's attention Kascade / dense, before", "after"], step))
+
+
 def jax() -> str:
     j = results("h200")["jax"]
     rows = []
@@ -335,6 +361,7 @@ BLOCKS = {
     "generate": generate,
     "eager-decode": eager_decode,
     "eager-launch": eager_launch,
+    "eager-head-maps": eager_head_maps,
     "jax": jax,
     "cost-model": cost_model,
     "named-plans": named_plans,
