@@ -5,8 +5,9 @@ Every rule of the plan's :class:`~kascade.plan.Reuse` (the value, in :mod:`kasca
 runs on (reference or Triton), so the rules cost nothing beyond building it:
 
 - **head map** (the paper): KV head ``h`` of a reuse layer takes its anchor's head ``head_map[l][h]``
-  (:func:`remap`; an identity map reuses the anchor's indices as they are). :func:`layer_keys` hands the map over
-  unapplied, for the sparse attention op's Triton kernels to read in place (``heads=``: no copy of the indices).
+  (:func:`head_map`; an identity map is none: the anchor's indices as they are). :func:`layer_keys` hands the map
+  over unapplied, for the sparse attention op's Triton kernels to read in place (``heads=``: no copy of the
+  indices); :func:`layer_selection` applies it (``Selection.take_heads``).
 - **per-layer budgets** (``factor``): the anchors rank their keys (descending pooled probability) as deep as the
   largest budget among the layers they serve; a layer attends the first ``round(factor * c)`` keys of its row's
   ranking (:func:`prefix`, ``c`` the row's faithful budget, counted by :meth:`kascade.ops.Step.counts`). The
@@ -89,12 +90,6 @@ def head_map(plan: KascadePlan, layer: int, device, heads: Heads = ALL_HEADS) ->
     if key not in memo:
         memo[key] = _head_map(plan, *key)
     return memo[key]
-
-
-def remap(plan: KascadePlan, layer: int, sel: Selection, heads: Heads = ALL_HEADS) -> Selection:
-    """The anchor's selection through ``layer``'s head map (an identity map returns ``sel`` itself)."""
-    hm = head_map(plan, layer, sel.indices.device, heads)
-    return sel if hm is None else sel.take_heads(hm)
 
 
 @_renamed.keywords(_renamed.FACTOR, scale="factor")
