@@ -98,7 +98,8 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
         key = (fn, id(consts), device, tuple([t.dtype for t in tensors]), scalars)
         entry = _ENTRIES.get(key)  # it holds ``consts``: no other dict takes that id while it is kept
         if entry is None:
-            entry = _SPECS.get(key[:4] + (tuple(map(spec, scalars)),))
+            skey = key[:4] + (tuple(map(spec, scalars)),)
+            entry = _SPECS.get(skey)
             if entry is not None:
                 _keep(_ENTRIES, key, entry)
         if entry is not None:
@@ -114,7 +115,7 @@ def launch(fn, grid: tuple, tensors: tuple, scalars: tuple, consts: dict) -> Non
         kernel = kernel.result()
     entry = (consts, kernel, _tail(fn, len(tensors) + len(scalars), consts))
     _keep(_ENTRIES, key, entry)
-    _keep(_SPECS, key[:4] + (tuple(map(spec, scalars)),), entry)
+    _keep(_SPECS, skey, entry)  # made above: a kept entry would have been found by it
 
 
 def _keep(entries: dict, key: tuple, entry: tuple) -> None:
