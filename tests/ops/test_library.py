@@ -58,7 +58,11 @@ def test_opcheck_decode_ops(backend, rank_factor):
                                        backend)
     counts = None if rank_factor is None else dev(torch.tensor([3, 5], dtype=torch.int32))
     _opcheck("sparse_decode", q, k, v, idx, counts, None, 0.25, backend)
-    _opcheck("sparse_decode", q, k, v, idx, counts, dev(torch.tensor([1, 1])), 0.25, backend)  # a head map
+    hm = dev(torch.tensor([1, 1]))
+    _opcheck("sparse_decode", q, k, v, idx, counts, hm, 0.25, backend)  # a head map
+    # which attends the selection as taken through it
+    assert torch.equal(library.OPS["sparse_decode"](q, k, v, idx, counts, hm, 0.25, backend),
+                       library.OPS["sparse_decode"](q, k, v, idx[:, [1, 1]].contiguous(), counts, None, 0.25, backend))
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -305,8 +305,6 @@ def _select_by_mass(q, k, step: Step, scale: float, shared: bool, rank_factor,
 
 def _check_heads(heads, sel: Selection, step: Step, *, values: bool) -> None:
     """A head map fits the step (``[H]`` integers on its device) and, with ``values``, names heads of ``sel``."""
-    if not isinstance(sel, Selection):
-        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(sel).__name__}")
     if not isinstance(heads, torch.Tensor) or heads.dtype != torch.long or heads.shape != (step.kv_heads,):
         raise ValueError(f"heads must be an int64 tensor of shape [H]=[{step.kv_heads}], got "
                          f"{getattr(heads, 'dtype', type(heads).__name__)} {tuple(getattr(heads, 'shape', ()))}")
@@ -320,8 +318,6 @@ def _check_heads(heads, sel: Selection, step: Step, *, values: bool) -> None:
 def _check_selection(sel: Selection, step: Step, heads=None) -> None:
     """A selection fits the step's queries: shape, rows, and (with host geometry) which keys it may name. With a
     head map (``heads``) its head count is free: the map says which of its heads each KV head reads."""
-    if not isinstance(sel, Selection):
-        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(sel).__name__}")
     idx = sel.indices
     B, H = step.batch, step.kv_heads
     if idx.dim() != 4 or idx.shape[0] != B or (idx.shape[1] != H and heads is None):
@@ -397,9 +393,11 @@ def sparse_attention(q, k, v, selection: Selection, *, scale=None, kv_start=None
     checked = step is not None
     own_tile = None if checked or not isinstance(selection, Selection) else Budget(tile=selection.tile)
     step = _step(step, q, k, v, kv_start=kv_start, q_offset=q_offset, backend=backend, budget=own_tile)
+    if not isinstance(selection, Selection):
+        raise TypeError(f"selection must be a kascade.ops.Selection, got {type(selection).__name__}")
     if heads is not None:
         _check_heads(heads, selection, step, values=not checked)
-        if step.backend != "triton" or (selection.counts is not None and selection.counts.dim() == 3):
+        if step.backend != "triton":
             selection, heads = selection.take_heads(heads), None  # no kernel reads it: a copy through the map
     _check_selection(selection, step, heads)
     if not checked:

@@ -131,7 +131,10 @@ def _sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: t
                    backend: str) -> torch.Tensor:
     if backend == "triton":
         return _triton(True).sparse_decode(q, k, v, indices, scale=scale, counts=counts, heads=heads)
-    return reference.sparse_decode(q, k, v, indices, scale=scale, counts=counts, heads=heads)
+    if heads is not None:  # the reference reads a head map by a copy through it
+        sel = Selection(indices, indices.new_zeros(indices.shape[0]), 1, True, counts=counts).take_heads(heads)
+        indices, counts = sel.indices, sel.counts
+    return reference.sparse_decode(q, k, v, indices, scale=scale, counts=counts)
 
 
 def _fake_select_decode(q, k, meta, keys, scale, ratio, k_min, rank_factor, index_dtype, backend):

@@ -437,17 +437,12 @@ def dense_select_decode(q, k, v, *, scale: float, meta: torch.Tensor, budget: Bu
     return _decode_out(p, v, q, valid), _decode_top(p, valid, meta, budget, width, rank_factor)
 
 
-def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None, heads=None) -> torch.Tensor:
+def sparse_decode(q, k, v, indices: torch.Tensor, *, scale: float, counts=None) -> torch.Tensor:
     """Decode attention over absolute key slots ``indices [B, H, 1, K]`` (-1: none; with ``counts [B]`` only each
-    row's first ``counts[b]`` entries), in any order. ``heads [H]``: KV head ``h`` attends row ``heads[h]`` of
-    ``indices`` (and of per-head ``counts``) instead of its own (a reuse layer's head map)."""
+    row's first ``counts[b]`` entries), in any order."""
     B, HQ, _, D = q.shape
     H = k.shape[1]
     md = _math_dtype(q.dtype)
-    if heads is not None:
-        heads = heads.long()
-        indices = indices.index_select(1, heads)
-        counts = counts.index_select(1, heads) if counts is not None and counts.dim() == 3 else counts
     idx = indices[:, :, 0].long()  # [B, H, K]
     ok = idx >= 0
     if counts is not None:  # [B], or [B, H, 1] per head (a selection by attention mass)
