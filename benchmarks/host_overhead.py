@@ -2,7 +2,7 @@
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
     python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--cache static|dynamic]
-                                       [--launch] [--no-gc] [--json FILE]
+                                       [--head-maps identity|rotated] [--launch] [--no-gc] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
 it; with ``--cache dynamic`` the keys grow by one a step and K and V are new tensors each step, as transformers'
@@ -120,7 +120,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
         q, kf, vf = qkv(keys + (20 + steps if dynamic else 0))
         k, v = kf[:, :, :keys], vf[:, :, :keys]
         slot = torch.tensor(keys // 2, device=dev)  # the static cache's length: a device tensor
-        mask2d = torch.ones(B, k.shape[2], dtype=torch.bool, device=dev)
+        mask2d = torch.ones(B, kf.shape[2], dtype=torch.bool, device=dev)  # sliced to each step's keys
         kinds = {0: "layer 0"} | {a: "anchor" for a in plan.anchors if a} | \
             {i: "reuse" for i in range(layers) if not plan.is_anchor(i)}
         per: dict = {kind: [] for kind in ("mask function (per step)", "layer 0", "anchor", "reuse")}

@@ -189,10 +189,11 @@ def test_host_overhead_grows_a_dynamic_cache_through_rotated_head_maps(monkeypat
     from transformers import LlamaConfig
 
     lengths, mask = [], functions.kascade_mask
-    monkeypatch.setattr(functions, "kascade_mask", lambda **kw: (lengths.append(kw["kv_length"]), mask(**kw))[1])
+    monkeypatch.setattr(functions, "kascade_mask", lambda **kw: (
+        lengths.append((kw["kv_length"], kw["attention_mask"].shape[1])), mask(**kw))[1])
     r = host_overhead.main(["--steps", "3", "--keys", "300", "--layers", "6", "--anchors", "2", "--device", "cpu",
                             "--cache", "dynamic", "--head-maps", "rotated"])
-    assert lengths == list(range(300, 323)) and r["setup"]["cache"] == "dynamic"
+    assert lengths == [(n, n) for n in range(300, 323)] and r["setup"]["cache"] == "dynamic"  # the mask as long
     assert r["setup"]["head_maps"] == "rotated" and r["us"]["reuse"] > 0
     fp = ModelFingerprint.from_config(LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                                                   hidden_size=64))
