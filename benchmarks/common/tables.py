@@ -147,14 +147,17 @@ def eager_decode(card: str) -> str:
                       "speedup"], gen))
 
 
+# the calls of an eager decode layer the launch and head-map tables compare: results key -> row name
+_EAGER_CALLS = {"reuse": "Kascade reuse layer", "anchor": "Kascade anchor layer", "sdpa": "dense (SDPA), for scale"}
+
+
 def eager_launch(card: str) -> str:
     """Eager decode layers with Kascade's kernels launched through Triton's own path and directly
     (:mod:`kascade.ops.triton.launch`), alternated in one run: host us per call, and per layer of a whole step."""
     t = results(card)["eager_launch"]
-    names = {"reuse": "Kascade reuse layer", "anchor": "Kascade anchor layer", "sdpa": "dense (SDPA), for scale"}
     rows = [[_n(r["keys"]) if i == 0 else "", name, f"{r['triton'][k]['host_us']:.0f}",
              f"{r['direct'][k]['host_us']:.0f}", f"{r['direct'][k]['host_us'] / r['triton'][k]['host_us']:.2f}"]
-            for r in t["layers"] for i, (k, name) in enumerate(names.items())]
+            for r in t["layers"] for i, (k, name) in enumerate(_EAGER_CALLS.items())]
     ho = {p: [r for r in t["host_overhead"] if r["launch"] == p] for p in ("triton", "direct")}
     step = [[name, " / ".join(f"{r[k]:.0f}" for r in ho["triton"]), " / ".join(f"{r[k]:.0f}" for r in ho["direct"])]
             for k, name in (("layer0", "layer 0"), ("anchor", "anchor"), ("reuse", "reuse"),
@@ -168,12 +171,11 @@ def eager_head_maps(card: str) -> str:
     """Eager decoding before and after a dynamic cache's launches were kept and head maps read in place (one run
     each): one layer (rotated head maps), eager ``generate``, and a 32-layer step's host time."""
     t = results(card)["eager_head_maps"]
-    names = {"reuse": "Kascade reuse layer", "anchor": "Kascade anchor layer", "sdpa": "dense (SDPA), for scale"}
 
     def ba(r, k):
         return f"{r['before'][k]:.0f} -> {r['after'][k]:.0f}" if r.get("before") else f"- -> {r['after'][k]:.0f}"
     rows = [[_n(r["keys"]) if i == 0 else "", name, *(ba(r[k], f) for f in ("host_us", "back_to_back_us", "graph_us"))]
-            for r in t["layers"] for i, (k, name) in enumerate(names.items())]
+            for r in t["layers"] for i, (k, name) in enumerate(_EAGER_CALLS.items())]
     gen = [[_n(g["keys"]), f"{g['layers']} ({', '.join(map(str, g['anchors']))})",
             *(f"{g[w]['dense_itl_ms']:.2f} / {g[w]['kascade_itl_ms']:.2f}" for w in ("before", "after")),
             " -> ".join(_x(g[w]["dense_itl_ms"] / g[w]["kascade_itl_ms"]) for w in ("before", "after"))]
