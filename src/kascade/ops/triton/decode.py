@@ -335,7 +335,8 @@ def _heads(q, k, block_table):
 
 # Launch plans of the split-K kernel, by shape and pass: a decode step launches the same few configurations in every
 # layer, and working one out (launch configuration, splits, constexprs, scratch layout) costs more host time than the
-# launch itself. (A dynamic cache's steps each have another length: the memo is emptied when it grows large.)
+# launch itself. (A dynamic cache's launch bound moves every 256 steps, ops.step.launch_bound; the memo is emptied
+# when it grows large.)
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
