@@ -46,12 +46,14 @@ class _MaskCheck:
     graph, when the next step's mask is made. A refused step raises then, having written its token's keys and values
     into the cache slot the next step would overwrite. Where the device is the host (a CPU) the check is immediate."""
 
-    def __init__(self, valid: torch.Tensor, q: torch.Tensor):
+    def __init__(self, valid: torch.Tensor, q: torch.Tensor, flag: torch.Tensor | None = None):
+        # flag: what _left_padded(valid, q) says, already on the device (0-d), or per row ([B], made by the fused
+        # geometry kernel)
         self.valid, self.q = valid, q
-        flag = _left_padded(valid, q)
+        flag = _left_padded(valid, q) if flag is None else flag
         self.event = None
         if valid.is_cuda:
-            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
             self.flag.copy_(flag, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -63,7 +65,7 @@ class _MaskCheck:
             _pending.check = None
         if self.event is not None:
             self.event.synchronize()
-        if not bool(self.flag):
+        if not bool(self.flag.all()):
             _left_padding_start(self.valid, int(self.q) + 1)  # raises, naming the problem
             raise ValueError("Kascade needs left padding (padding only before each sequence's tokens)")
 
@@ -106,6 +108,14 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         # static cache's mask eagerly before its compiled forward, so that the check runs there).
         if not compiling:
             _verify_pending()
+        fused = None if attention_mask is None else _fused(attention_mask, q_offset, compiling)
+        if fused is not None:
+            # the geometry, the query's slot and the check in one launch (on a GPU host ~20 small ops cost ~0.6 ms)
+            given = attention_mask[:, kv_offset : kv_offset + kv_length]
+            kv_start, q_dev, ok = fused.mask_geometry(given, q_offset, kv_offset)
+            mask = KeyMask(kv_start=kv_start, q_offset=q_dev)
+            mask.check = _pending.check = _MaskCheck(given, q_dev, ok)
+            return mask
         if isinstance(q_offset, torch.Tensor):
             q_dev = q_offset.reshape(()).clone() - int(kv_offset)
         else:
@@ -127,6 +137,30 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     _check_2d(attention_mask)
     kv_start = _left_padding_start(attention_mask[:, kv_offset:], q_slot + q_length)
     return KeyMask(kv_start=kv_start, q_offset=q_slot)
+
+
+def _fused(attention_mask, q_offset, compiling: bool):
+    """:mod:`kascade.ops.triton.step` if it reads this decode step's mask (:func:`~kascade.ops.triton.step.
+    mask_geometry`), else None: an eager step (not traced, not captured) whose check is deferred (a GPU), with
+    Triton installed and the query's slot on the mask's device (or a host int)."""
+    dev = attention_mask.device
+    if compiling or dev.type not in DEFERRED_CHECK or attention_mask.dim() != 2:
+        return None
+    if isinstance(q_offset, torch.Tensor) and (q_offset.device != dev or q_offset.numel() != 1):
+        return None
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if not _TRITON_STEP:
+        try:
+            from ..ops.triton import step
+        except ImportError:  # no Triton: the torch ops serve
+            step = None
+        _TRITON_STEP.append(step)
+    step = _TRITON_STEP[0]
+    return step if step is not None and step.usable(dev) else None
+
+
+_TRITON_STEP: list = []  # kascade.ops.triton.step once imported, or None without Triton
 
 
 def _check_2d(attention_mask: torch.Tensor) -> None:

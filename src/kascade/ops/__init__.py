@@ -151,7 +151,8 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
             if starts is not None and starts.shape != (B,):
                 raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
             bound = launch_bound(N) if backend == "triton" else N
-            meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), bound, budget)
+            meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), bound, budget,
+                                      fused=backend == "triton" and _fused_step(q.device))
             return Step(kv_start=None, q_offset=None, meta=meta, **shape)
         q_offset = int(q_offset)
     if q_offset is None:
@@ -173,6 +174,12 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
     if backend == "triton" and L == 1:
         meta = decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset, budget=budget)
     return Step(kv_start=kv_start, q_offset=q_offset, meta=meta, **shape)
+
+
+def _fused_step(device) -> bool:
+    from .triton.step import usable
+
+    return usable(device)
 
 
 def _step(step, q, k, v, **given) -> Step:

@@ -91,17 +91,24 @@ def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, 
     return DecodeMeta(tensor=t, n=tuple(n), k=None if k is None else tuple(k), paged=paged)
 
 
-def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, budget: Budget) -> DecodeMeta:
+def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, budget: Budget, *,
+                       fused: bool = False) -> DecodeMeta:
     """:class:`DecodeMeta` of a decode step over a static KV cache, computed on the device with no host
     synchronisation. ``q_offset``: the new query's slot (0-d integer tensor on the device, the same for every
     sequence); ``kv_start``: ``[B]`` integer tensor on the device, or ``None`` (no left padding); ``capacity``: the
     cache's slots, or any larger bound (:func:`launch_bound`). The host ``n`` and ``k`` are launch bounds (the
     capacity and its budget: grid sizes and index widths; the budget never decreases with ``n``); the kernels read
-    each sequence's ``n_b`` and ``k_b`` from the device tensor."""
-    dev = q_offset.device
-    start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
-    n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
-    t = torch.stack([start, n, budget.decode(n), torch.zeros_like(n)], 1).to(torch.int32)
+    each sequence's ``n_b`` and ``k_b`` from the device tensor. ``fused``: in one Triton launch
+    (:func:`kascade.ops.triton.step.decode_meta`, eager only) instead of about ten torch ops, the same values."""
+    if fused:
+        from .triton.step import decode_meta as fused_meta
+
+        t = fused_meta(kv_start, q_offset, B, budget.ratio, budget.k_min)
+    else:
+        dev = q_offset.device
+        start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
+        n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
+        t = torch.stack([start, n, budget.decode(n), torch.zeros_like(n)], 1).to(torch.int32)
     return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False)
 
 
