@@ -1,7 +1,7 @@
 """Budgets by attention mass against budgets by count, teacher-forced, at the attended fraction each one measures.
 
-Each spec is ``PLAN:MASS:CAP`` (``PLAN``: ``default``, the model's shipped plan, or ``oracle``, every layer selecting
-its own keys at the default plan's budget; ``MASS`` a share of attention, or ``count`` for the plan's own budget;
+Each spec is ``PLAN:MASS:CAP`` (``PLAN``: a shipped plan's name, e.g. ``default``, or ``oracle``, every layer
+selecting its own keys at the default plan's budget; ``MASS`` a share of attention, or ``count`` for the plan's own budget;
 ``CAP`` the ratio that caps a row by mass). Every spec runs on the same windows of one split against dense.
 
     python -m benchmarks.mass_budgets --split dev --length 4096 --windows 2 default:count \\
@@ -25,11 +25,9 @@ from kascade.plan import KascadePlan, ModelFingerprint, shipped_plan
 
 def plan_of(model, spec: str) -> KascadePlan:
     name, *budget = spec.split(":")
-    base = shipped_plan(model, "default")
+    base = shipped_plan(model, "default" if name == "oracle" else name)  # ValueError naming the shipped plans
     if name == "oracle":
         base = KascadePlan.all_anchors(ModelFingerprint.from_model(model), ratio=base.ratio, k_min=base.k_min)
-    elif name != "default":
-        raise ValueError(f"unknown plan {name!r}: default or oracle")
     if budget == ["count"]:
         return base
     mass, cap = map(float, budget)

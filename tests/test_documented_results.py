@@ -280,12 +280,13 @@ def test_calibration_retrieval_plan_sentences():
     shipped plan is the default with anchor 1 moved into them, at the same budgets and attended fraction; it is closer
     to dense on every held-out row and answers more needles on every paired row."""
     text = _prose(_text(DOCS / "calibration.md"))
-    _find(r"when the run is layers 3-11, the nine\s+layers that reuse layer 2's keys in the default", text)
-    _find(r"moves the default's anchor at layer 1 to layer 7", text)
+    _find(r"when the run is layers 3-11, the nine\s+layers that reuse layer 2's keys in that plan", text)
+    _find(r"The default plan therefore moves its anchor at layer 1 to layer 7", text)
     t = tables.results("accuracy")["retrieval_plan"]
     best = max(t["diagnosis"]["rows"], key=lambda r: r["passed"])
     assert best["selecting"] == "layers 3-11" and best["passed"] > t["diagnosis"]["rows"][0]["passed"]
-    default, retrieval = tables._shipped("default"), tables._shipped("retrieval")
+    default, retrieval = tables._shipped("searched-budgets"), tables._shipped("default")
+    assert tables._shipped("retrieval") == retrieval  # its name when it was the candidate
     assert [a for a in default.anchors if a not in retrieval.anchors] == [1]
     assert [a for a in retrieval.anchors if a not in default.anchors] == [7]
     assert default.anchor_of(2) == 2 and all(default.anchor_of(l) == 2 for l in range(3, 12))
@@ -303,10 +304,10 @@ def test_results_plan_speed_sentences():
     (pct,) = _find(r"within (\d+)% for plans of one budget in decode", text)
     rows = tables.results("h200")["plan_speed"]["decode"]
     dense = tables.results("h200")["plan_speed"]["decode"]["dense_ms"]
-    gaps = [abs(dense / r["ms"] / r["modelled"] - 1) for r in rows["plans"] if r["plan"] != "default"]
+    gaps = [abs(dense / r["ms"] / r["modelled"] - 1) for r in rows["plans"] if r["plan"] != "searched-budgets"]
     assert max(gaps) <= int(pct) / 100
-    default = next(r for r in rows["plans"] if r["plan"] == "default")
-    assert dense / default["ms"] < 0.95 * default["modelled"]  # "It overrates the default plan"
+    default = next(r for r in rows["plans"] if r["plan"] == "searched-budgets")
+    assert dense / default["ms"] < 0.95 * default["modelled"]  # "It overrates the searched-budgets plan"
     (deep,) = _find(r"rank their\s+keys up to (\d+)x deeper", text)
     assert max(tables._shipped("default").reuse.factor) == int(deep)
     # the modelled column is the cost model's for the shipped plans (the run recorded it)
@@ -321,7 +322,7 @@ def test_tensor_parallel_sentences():
     text = _text(DOCS / "tensor_parallel.md")
     points, kl = _find(r"costs\s+([\d.]+) points of agreement and raises the KL by (\d+)%", text)
     rows = {r["plan"]: r for r in tables.results("accuracy")["tensor_parallel"]["default"]["rows"]}
-    for plan in ("default", "faithful"):
+    for plan in ("searched-budgets", "faithful"):
         free, local = rows[f"{plan}, unconstrained"], rows[f"{plan}, shard-local TP 3"]
         assert abs(100 * (free["agreement"] - local["agreement"]) - float(points)) < 0.1
         assert abs(100 * (local["kl"] / free["kl"] - 1) - int(kl)) < 3

@@ -323,7 +323,7 @@ def test_a_plan_is_given_as_a_plan_a_shipped_name_or_a_file(tmp_path, monkeypatc
         assert resolve_plan(given, FP) == plan
     with pytest.raises(ValueError, match="no plan file at other.json"):
         resolve_plan("other.json", FP)
-    with pytest.raises(ValueError, match=r"'fastest' is neither a shipped plan \(default, searched, .*\) nor a plan "
+    with pytest.raises(ValueError, match=r"'fastest' is neither a shipped plan \(default, searched-budgets, searched, .*\) nor a plan "
                                          "file"):
         resolve_plan("fastest", FP)
     with pytest.raises(ValueError, match="no shipped 'searched' plan for this model"):

@@ -22,7 +22,8 @@ def heldout_means() -> dict[str, dict[str, float]]:
     return out
 
 
-STRATEGY_NAMES = {"kascade": "Kascade, the default plan", "kascade-faithful": "Kascade, the paper's method "
+STRATEGY_NAMES = {"kascade": "Kascade, the default plan", "kascade-searched-budgets": "Kascade, `searched-budgets` "
+                  "(the default before)", "kascade-faithful": "Kascade, the paper's method "
                   "(`\"faithful\"`)", "streamingllm": "StreamingLLM (4 sinks + recent keys)", "quest": "Quest "
                   "(16-key pages)"}
 
@@ -45,20 +46,21 @@ def plans_accuracy() -> str:
 
 
 def needle() -> str:
-    """The needle suite: each task and length, dense, the default plan and the retrieval plan, with their 95%
-    intervals."""
+    """The needle suite: each task and length, dense, the searched-budgets plan (``kascade``: the default when
+    measured) and the default plan (``retrieval``: shipped under that name when measured), with their 95% intervals."""
     def cell(x):
         return f"{x['score']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]"
 
     rows = [[f"`{r['task']}`", _n(r["length"]), r["samples"], cell(r["dense"]), cell(r["kascade"]),
              cell(r["retrieval"]), f"{r['kascade']['attended']:.3f}"] for r in results("accuracy")["needle"]["rows"]]
-    return _table(["task", "tokens", "samples", "dense", "Kascade (default plan)", "Kascade (`retrieval` plan)",
-                   "keys attended"], rows)
+    return _table(["task", "tokens", "samples", "dense", "Kascade (`searched-budgets`, the default before)",
+                   "Kascade (the default plan)", "keys attended"], rows)
 
 
 def mass_budgets() -> str:
     """Budgets by attention mass against the budget by count, per plan."""
-    names = {"default": "default plan", "oracle": "every layer selects (oracle)"}
+    names = {"default": "default plan", "searched-budgets": "`searched-budgets` (the default before)",
+             "oracle": "every layer selects (oracle)"}
     rows = [[names[r["plan"]], "by count" if r["mass"] is None else f"mass {r['mass']}, cap {r['cap']}",
              f"{r['agreement']:.3f}", f"{r['kl']:.4f}", f"{r['attended']:.3f}"]
             for r in results("accuracy")["mass"]["rows"]]
@@ -84,7 +86,7 @@ def adaptation_table(rows: list[dict]) -> str:
 
 
 def needle_phases() -> str:
-    """Where the default plan loses the needle: each way's pass rate with its 95% Wilson interval."""
+    """Where the searched-budgets plan (the default when measured) loses the needle: each way's pass rate with its 95% Wilson interval."""
     t = results("accuracy")["needle_phases"]
     rows = []
     for r in t["rows"]:
@@ -94,8 +96,9 @@ def needle_phases() -> str:
 
 
 def retrieval_plan() -> str:
-    """The shipped "retrieval" plan against the default: held-out fidelity, needles answered (paired), and the
-    diagnosis that led to it (which reuse layers, selecting their own keys, bring the needle back)."""
+    """The default plan (shipped as "retrieval" when measured, the JSON's ``retrieval``) against searched-budgets (the
+    default before, the JSON's ``default``): held-out fidelity, needles answered (paired), and the diagnosis that led
+    to it (which reuse layers, selecting their own keys, bring the needle back)."""
     t = results("accuracy")["retrieval_plan"]
     rows = [[f"agreement / KL, {_n(r['length'])} ({r['windows']} held-out windows, CPU)",
              *(f"{r[p]['agreement']:.3f} / {r[p]['kl']:.3f}" for p in ("default", "retrieval")), ""]
@@ -110,7 +113,8 @@ def retrieval_plan() -> str:
                      f"{r['retrieval_only']} / {r['default_only']}"])
     d = t["diagnosis"]
     diag = [[r["selecting"], f"{r['passed']} of {d['samples']}"] for r in d["rows"]]
-    return (_table(["measure", "default", "retrieval", "answered by one plan only: retrieval / default"], rows)
+    return (_table(["measure", "searched-budgets (the default before)", "default",
+                    "answered by one plan only: default / searched-budgets"], rows)
             + "\n\n" + _table(["reuse layers that select their own keys (needle_passkey 2K, CPU)", "answered"],
                                 diag))
 
@@ -132,7 +136,7 @@ def fp8_selection() -> str:
 
 
 def fp8_fidelity() -> str:
-    """The default plan with exact and with low-precision scoring, teacher-forced against dense, per length."""
+    """The searched-budgets plan (the default when measured) with exact and with low-precision scoring, teacher-forced against dense, per length."""
     t = results("accuracy")["fp8"]["fidelity"]
     lengths = sorted({r["length"] for r in t})
     rows = [[SCORINGS[s]] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t if (r["scoring"], r["length"])

@@ -254,7 +254,7 @@ def _shipped(name: str) -> KascadePlan:
 def named_plans() -> str:
     rows = []
     acc = {r["plan"]: r for r in results("accuracy")["named_plans"]["rows"]}
-    for name in ("fast", "balanced", "faithful", "default"):
+    for name in ("fast", "balanced", "faithful", "searched-budgets", "default"):
         plan = _shipped(name)
         w = acc[name]["windows"]
         rows.append([f"`{name}`", len(plan.anchors), _x(_modelled(plan, "decode", batch=32)),
@@ -311,7 +311,7 @@ def tp_fidelity(model: str) -> str:
 def tp_links() -> str:
     t = results("accuracy")["tensor_parallel"]
     d, tiny = t["default"], t["tiny"]
-    rows = [[f"default model, the {'shipped default' if n == 'default' else '`' + n + '`'} plan", d["kv_heads"],
+    rows = [[f"default model, the `{n}` plan", d["kv_heads"],
              v["reuse_links"], "-", v["crossing_links"], "-", "-"] for n, v in d["links"].items()]
     c = tiny["crossing_links"]
     rows.append(["random tiny Llama, its calibrated plan", tiny["kv_heads"], tiny["reuse_links"], c["2"], "-", c["4"],

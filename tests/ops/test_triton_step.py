@@ -13,7 +13,7 @@ from kascade.budget import Budget  # noqa: E402
 from kascade.integration.functions import _left_padded, _left_padding_start  # noqa: E402
 from kascade.ops.step import decode_meta_static  # noqa: E402
 from kascade.ops.triton import step as ts  # noqa: E402
-from kernel_checks import dev  # noqa: E402
+from kernel_checks import DEVICE, dev  # noqa: E402
 
 
 def _host_check(row: torch.Tensor, q: int) -> bool:
@@ -99,3 +99,32 @@ def test_a_triton_decode_step_is_planned_in_one_launch(monkeypatch):
     ref = ops.plan_step(q, k, kv_start=dev(torch.tensor([0, 7])), q_offset=pos, backend="reference")
     assert len(calls) == 1
     assert torch.equal(fused.meta.tensor.cpu(), ref.meta.tensor.cpu())
+
+
+def test_a_deferred_decode_masks_geometry_is_one_fused_launch(monkeypatch):
+    """Where a decode step's check is deferred (a GPU; made so here), the mask function reads the padding mask with
+    the fused kernel once: the same first valid slots and query slot as the torch ops, and a hole in the mask is
+    still refused when the check is read."""
+    from transformers.masking_utils import causal_mask_function
+
+    from kascade.integration import functions
+
+    monkeypatch.setattr(functions, "DEFERRED_CHECK", ("cuda", "cpu", DEVICE.type))
+    calls = []
+    real = ts.mask_geometry
+    monkeypatch.setattr(ts, "mask_geometry", lambda *a, **k: calls.append(a) or real(*a, **k))
+    left = torch.ones(2, 50, dtype=torch.long)
+    left[1, :7] = 0
+    pos = dev(torch.tensor([49]))
+    m = functions.kascade_mask(batch_size=2, q_length=1, kv_length=50, q_offset=pos, kv_offset=0,
+                               mask_function=causal_mask_function, attention_mask=dev(left))
+    assert len(calls) == 1
+    assert m.kv_start.cpu().tolist() == [0, 7] and int(m.q_offset) == 49
+    m.check.verify()  # left padding: accepted
+    hole = left.clone()
+    hole[0, 20] = 0
+    m = functions.kascade_mask(batch_size=2, q_length=1, kv_length=50, q_offset=pos, kv_offset=0,
+                               mask_function=causal_mask_function, attention_mask=dev(hole))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="left padding"):
+        m.check.verify()

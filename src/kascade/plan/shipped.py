@@ -13,25 +13,28 @@ from pathlib import Path
 from .kascade_plan import KascadePlan, ModelFingerprint
 
 SHIPPED_VARIANTS = {
-    "default": "the library's default, the most accurate at the paper's cost: anchors chosen by measured fidelity, "
-               "per-layer budgets from each layer's measured sensitivity (same average budget; its anchors rank up "
-               "to 2x deeper, see docs/design/plans.md)",
+    "default": "the library's default: anchors chosen by measured fidelity with one moved where needles are lost (layer "
+               "1 to 7), per-layer budgets from each layer's measured sensitivity (same average budget); closer to "
+               "dense on held-out text than searched-budgets, and more needles answered (docs/calibration.md)",
+    "searched-budgets": "the default until 2026-12-07: the default's budgets with the anchors the search by measured "
+                        "fidelity found (layer 1 where the default has 7); fewer needles answered",
     "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "
                 "cheapest decode selection)",
     "faithful": "the paper's method: the similarity DP's anchors and argmax head map",
     "fast": "the paper's method at the most anchors whose modelled decode attention speedup is >= 4x (H200, "
             "Llama-3.1-8B kernel times, batch 32, 128K tokens; kascade.costs): see docs/results.md",
     "balanced": "the paper's method at the most anchors modelled >= 3.5x faster decode attention (as \"fast\")",
-    "retrieval": "the default with an anchor moved from layer 1 to layer 7 (same count, same budgets): more needles "
-                 "answered and closer to dense on held-out text (docs/calibration.md); the candidate for the next "
-                 "default",
+    "retrieval": "the default (its name while it was the candidate for the default, until 2026-12-07)",
 }
+# Names that are another variant's plan: "retrieval" became the default.
+_ALIASES = {"retrieval": "default"}
 
 
 def shipped_plans(variant: str = "default") -> list[KascadePlan]:
     """The calibrated plans that ship inside the package for ``variant`` (see :data:`SHIPPED_VARIANTS`)."""
     if variant not in SHIPPED_VARIANTS:
         raise ValueError(f"unknown shipped plan variant {variant!r}; choose from {', '.join(SHIPPED_VARIANTS)}")
+    variant = _ALIASES.get(variant, variant)
     folder = resources.files("kascade") / "plans"
     if variant != "default":
         folder = folder / variant
