@@ -216,6 +216,27 @@ def test_eager_decode_quick_runs_every_measurement(tmp_path):
     assert "| reuse |" in (tmp_path / "summary.txt").read_text()
 
 
+def test_generate_host_quick_times_every_part_of_both_paths(tmp_path):
+    """python -m benchmarks.generate_host --quick: inside generate, dense's step times its mask and attention
+    functions, Kascade's its mask function and each layer kind, both their forward and step; the registries are
+    restored afterwards (a later enable times nothing)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import generate_host
+    from kascade.integration import functions
+
+    sdpa, attn = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"], functions.kascade_attention_forward
+    r = generate_host.main(["--quick", "--rounds", "1", "--profile", "--out", str(tmp_path)])
+    (run,) = r["runs"]
+    assert set(run["dense"]) == {"step_us", "tokens", "forward", "mask", "dense"}
+    assert set(run["kascade"]) == {"step_us", "tokens", "forward", "mask", "layer 0", "anchor", "reuse"}
+    assert all(run[p][k]["median_us"] > 0 for p in run for k in run[p] if k not in ("step_us", "tokens"))
+    assert run["kascade"]["reuse"]["per_step"] == 2 and len(run["kascade"]["tokens"]) == r["steps"]
+    assert ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] is sdpa and functions.kascade_attention_forward is attn
+    assert "| kascade |" in (tmp_path / "summary.md").read_text()
+    assert "kascade" in (tmp_path / "profile.txt").read_text()
+
+
 def test_eager_decode_launch_both_alternates_the_paths(tmp_path, monkeypatch):
     """--launch both: the layer timings and generate each once per launch path, named, and the library's launch
     switch left as it was (a benchmark must not leave the process on another path)."""
