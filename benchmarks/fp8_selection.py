@@ -186,7 +186,8 @@ def _ints(s: str) -> list[int]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--length", type=int, default=4096, help="the model's windows, in tokens (default 4096)")
-    p.add_argument("--windows", type=int, default=2, help="eval-split windows of the model (default 2)")
+    p.add_argument("--windows", type=int, default=2, help="eval-split windows of the model's selection rows "
+                   "(default 2; 0: none, e.g. for the fidelity rows alone)")
     p.add_argument("--decode-lengths", type=_ints, default=[32768, 131072])
     p.add_argument("--prefill-lengths", type=_ints, default=[4096])
     p.add_argument("--draws", type=int, default=4, help="random draws per Llama-3.1-8B decode shape (default 4)")
@@ -210,7 +211,7 @@ def main(argv=None):
           f"torch {header['torch']})")
     model, tok = load_model(None, device="cpu", dtype=torch.float32)
     plan = shipped_plan(model, "default")
-    rows = model_rows(model, tok, plan.budget, a.length, a.windows, a.seed, scorings)
+    rows = model_rows(model, tok, plan.budget, a.length, a.windows, a.seed, scorings) if a.windows else []
     for n in a.decode_lengths:
         rows += llama8b_rows(Budget(), "decode", n, a.draws, a.seed, scorings)
         log(f"llama8b decode {n} measured")
