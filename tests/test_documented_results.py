@@ -125,8 +125,9 @@ def test_concepts_fp8_scoring_sentence():
                       _text(DOCS / "concepts.md"))
     rows = tables.results("accuracy")["fp8"]["fidelity"]
     change = {key: [abs(f[key] - e[key]) for e in rows if e["scoring"] == "exact" for f in rows
-                    if f["scoring"] == "fp8" and f["length"] == e["length"]] for key in ("agreement", "kl")}
-    assert len(change["agreement"]) == 2
+                    if f["scoring"] == "fp8" and (f["plan"], f["length"]) == (e["plan"], e["length"])]
+              for key in ("agreement", "kl")}
+    assert len(change["agreement"]) == 4  # two plans, two lengths
     for key, bound in (("agreement", agree), ("kl", kl)):
         step = 10 ** -len(bound.split(".")[1])
         assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
@@ -146,8 +147,9 @@ def test_concepts_int8_scoring_sentence():
                       text.replace("\n", " "))
     rows = tables.results("accuracy")["fp8"]["fidelity"]
     change = {key: [abs(f[key] - e[key]) for e in rows if e["scoring"] == "exact" for f in rows
-                    if f["scoring"] == "int8" and f["length"] == e["length"]] for key in ("agreement", "kl")}
-    assert len(change["agreement"]) == 2
+                    if f["scoring"] == "int8" and (f["plan"], f["length"]) == (e["plan"], e["length"])]
+              for key in ("agreement", "kl")}
+    assert len(change["agreement"]) == 4  # two plans, two lengths
     for key, bound in (("agreement", agree), ("kl", kl)):
         step = 10 ** -len(bound.split(".")[1])
         assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])

@@ -136,9 +136,13 @@ def fp8_selection() -> str:
 
 
 def fp8_fidelity() -> str:
-    """The searched-budgets plan (the default when measured) with exact and with low-precision scoring, teacher-forced against dense, per length."""
+    """The default plan (and searched-budgets, the default before it) with exact and with low-precision scoring,
+    teacher-forced against dense, per length."""
     t = results("accuracy")["fp8"]["fidelity"]
     lengths = sorted({r["length"] for r in t})
-    rows = [[SCORINGS[s]] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t if (r["scoring"], r["length"])
-                                  == (s, n)) for n in lengths] for s in SCORINGS if any(r["scoring"] == s for r in t)]
-    return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
+    names = {"default": "default plan", "searched-budgets": "`searched-budgets`"}
+    rows = [[names[p], SCORINGS[s]] + [next(f"{r['agreement']:.3f} / {r['kl']:.4f}" for r in t
+                                            if (r["plan"], r["scoring"], r["length"]) == (p, s, n)) for n in lengths]
+            for p in dict.fromkeys(r["plan"] for r in t) for s in SCORINGS
+            if any((r["plan"], r["scoring"]) == (p, s) for r in t)]
+    return _table(["plan", "scoring", *(f"{_n(n)}: agreement / KL" for n in lengths)], rows)
