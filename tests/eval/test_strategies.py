@@ -120,12 +120,16 @@ def test_shipped_variants_serve_the_default_model(default_model):
     model, _ = default_model
     plans = {v: shipped_plan(model, v) for v in SHIPPED_VARIANTS}
     assert plans["default"] == kascade.default_plan(model)
-    assert plans["faithful"].anchors != plans["default"].anchors  # the search moved an anchor
-    assert not plans["faithful"].ranked and not plans["searched"].ranked and plans["default"].ranked
-    assert plans["searched"].anchors == plans["default"].anchors  # the default = searched + per-layer budgets
+    assert plans["faithful"].anchors != plans["searched"].anchors  # the search moved an anchor
+    assert not plans["faithful"].ranked and not plans["searched"].ranked and plans["searched-budgets"].ranked
+    # searched-budgets = searched + per-layer budgets; the default = searched-budgets with anchor 1 moved to 7
+    assert plans["searched"].anchors == plans["searched-budgets"].anchors
+    assert set(plans["searched-budgets"].anchors) - set(plans["default"].anchors) == {1}
+    assert set(plans["default"].anchors) - set(plans["searched-budgets"].anchors) == {7}
+    assert plans["default"].reuse == plans["searched-budgets"].reuse and plans["retrieval"] == plans["default"]
     factors = plans["default"].reuse.factor
     assert factors[0] == 1.0 and abs(sum(factors[1:]) / (len(factors) - 1) - 1.0) < 1e-9  # same average budget
-    assert all(len(plans[v].anchors) == 6 for v in ("default", "searched", "faithful"))  # the paper's cost
+    assert all(len(plans[v].anchors) == 6 for v in ("default", "searched-budgets", "searched", "faithful"))
     assert len(plans["fast"].anchors) < len(plans["balanced"].anchors) < 6  # faster named plans: fewer anchors
     assert "kascade-faithful" in available(model)
     assert "kascade-faithful" not in available(tiny_model("llama"))
