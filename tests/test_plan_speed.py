@@ -21,7 +21,7 @@ def test_transplant_keeps_layers_budgets_and_the_number_of_sources():
     assert costs.layer_fractions(t, 131072) == costs.layer_fractions(plan, 131072)
     kw = dict(length=131072, batch=32, shape="llama-3.1-8b")
     assert costs.plan_speedup(t, "decode", **kw) == pytest.approx(costs.plan_speedup(plan, "decode", **kw))
-    two = plan.with_reuse(sources=tuple(tuple(((a, h),) if plan.is_anchor(l) else ((0, h), (a, h))
+    two = plan.with_reuse(sources=tuple(tuple(((a, h),) if plan.is_anchor(l) or a == 0 else ((0, h), (a, h))
                                               for h in range(3)) for l, a in
                                         ((l, plan.anchor_of(l)) for l in range(plan.num_layers))))
     t2 = plan_speed.transplant(two, shape)
