@@ -35,12 +35,13 @@ def _mask_kernel(M, Qp, Out, W, stride_b, q_given, kv_offset, HAS_Q: tl.constexp
     # [B, 2B) whether the row is padding then tokens through slot q with a token at q (slots at or past W count as
     # tokens), [2B] the query's slot q. Within [0, min(q, W - 1)] the row is left padding iff its valid slots there
     # are exactly those from its first valid one.
+    # (a scalar argument equal to 1 arrives as a constant, without .to: hence the additions to int64 zeros)
     b = tl.program_id(0)
     if HAS_Q:
         q = tl.load(Qp).to(tl.int64) - kv_offset
     else:
-        q = q_given.to(tl.int64)
-    first = W.to(tl.int64)
+        q = tl.zeros((), dtype=tl.int64) + q_given
+    first = tl.zeros((), dtype=tl.int64) + W
     ones = tl.zeros((), dtype=tl.int64)
     at_q = tl.zeros((), dtype=tl.int64)
     for j0 in range(0, W, BLOCK):
