@@ -411,3 +411,20 @@ def test_the_default_plans_comparison_with_the_one_before_it():
         _shown(shown, value)
     tp = {r["plan"]: r for r in tables.results("accuracy")["tensor_parallel"]["default"]["rows"]}
     _shown("0.7", 100 * (tp["searched-budgets, unconstrained"]["agreement"] - tp["default, unconstrained"]["agreement"]))
+
+
+def test_getting_started_fused_mask_sentence():
+    """The fused mask and step plan on the H100 (results/h100.json generate_host): the ranges of the mask function's
+    and layer 0's medians before and after, and the median speedup of each library's four rounds, as the page reads."""
+    text = _prose(_text(DOCS / "getting_started.md"))
+    m0, m1, m2, m3, l0, l1, l2, l3, s0, s1 = _find(
+        r"the mask function went from (\d+)-(\d+) us to (\d+)-(\d+) us and layer 0 from\s+(\d+)-(\d+) us to (\d+)-(\d+) "
+        r"us; eager `generate`'s speedup, median of four rounds, from ([\d.]+)x to ([\d.]+)x", text)
+    runs = tables.results("h100")["generate_host"]["runs"]
+    for tree, shown in (("before", (m0, m1, l0, l1, s0)), ("after", (m2, m3, l2, l3, s1))):
+        rs = [r for r in runs if r["tree"] == tree]
+        assert len(rs) == 4
+        mask, layer0 = [r["mask_us"] for r in rs], [r["layer0_us"] for r in rs]
+        assert (int(shown[0]), int(shown[1]), int(shown[2]), int(shown[3])) == (min(mask), max(mask), min(layer0),
+                                                                                 max(layer0))
+        _shown(shown[4], statistics.median(r["dense_step_us"] / r["kascade_step_us"] for r in rs))

@@ -192,6 +192,17 @@ def eager_head_maps(card: str) -> str:
                       "step's attention Kascade / dense, before", "after"], step))
 
 
+def generate_host(card: str) -> str:
+    """Eager generate's host time per step and per call, before and after the fused mask and step plan (one row a
+    round, in the order run)."""
+    rows = [[r["tree"], r["process"], f"{r['dense_step_us'] / 1e3:.2f} / {r['kascade_step_us'] / 1e3:.2f}",
+             _x(r["dense_step_us"] / r["kascade_step_us"]), f"{r['dense_mask_us']:.0f} / {r['mask_us']:.0f}",
+             f"{r['dense_layer_us']:.0f}", f"{r['layer0_us']:.0f}", f"{r['anchor_us']:.0f}", f"{r['reuse_us']:.0f}"]
+            for r in results(card)["generate_host"]["runs"]]
+    return _table(["library", "process", "step ms, dense / Kascade", "speedup", "mask function us, dense / Kascade",
+                   "dense layer us", "layer 0 us", "anchor us", "reuse us"], rows)
+
+
 def jax() -> str:
     j = results("h200")["jax"]
     rows = []
@@ -364,6 +375,7 @@ BLOCKS = {
     "eager-decode": eager_decode,
     "eager-launch": eager_launch,
     "eager-head-maps": eager_head_maps,
+    "generate-host": generate_host,
     "jax": jax,
     "cost-model": cost_model,
     "named-plans": named_plans,
