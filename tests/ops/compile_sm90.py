@@ -30,6 +30,7 @@ from kascade.ops.triton import decode as td  # noqa: E402
 from kascade.ops.triton import fp8 as tf  # noqa: E402
 from kascade.ops.triton import int8 as ti  # noqa: E402
 from kascade.ops.triton import prefill as tp  # noqa: E402
+from kascade.ops.triton import step as ts  # noqa: E402
 from kascade.ops.triton import topk  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -111,6 +112,14 @@ def variants():
     for level in (2, 3, 5):
         yield f"topk radix L{level}", topk._radix_kernel, dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level), 4, 3
     yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
+    # the decode step's geometry and metadata; a scalar argument equal to 1 arrives as a constant (a query at slot 1,
+    # a mask of one slot, k_min = 1), which has no tensor methods
+    for has_q, ones in ((True, {}), (False, {}), (False, {"q_given": 1, "W": 1})):
+        yield (f"step mask{' q' if has_q else ''}{' ones' if ones else ''}", ts._mask_kernel,
+               dict(HAS_Q=has_q, B=2, BLOCK=16 if ones else 1024, **ones), 4, 3)
+    for has_start, ones in ((True, {}), (False, {"k_min": 1})):
+        yield (f"step meta{' start' if has_start else ''}{' ones' if ones else ''}", ts._meta_kernel,
+               dict(HAS_START=has_start, B=3, BP=4, **ones), 4, 3)
 
 
 def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
@@ -131,6 +140,9 @@ def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
         sig["Q"] = sig["K"] = FP8
     if "int8" in name:
         sig.update({"Q": I8, "K": I8} if "quantize" not in name else {"X8": I8})
+    if name.startswith("step"):  # the mask's int64 (generate's), the slot and kv_start int64, the metadata int32
+        sig.update({a: t for a, t in (("M", I64), ("Qp", I64), ("Start", I64), ("Ratio", "*fp64"),
+                                      ("Out", I64 if "mask" in name else I32)) if a in sig})
     if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
         sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

@@ -49,7 +49,8 @@ def test_every_kernel_variant_compiles_for_sm90(compiler):
     # every kernel of the three modules, in the variants the launchers make
     for part in ("decode score", "decode sparse", "decode dense_scores", "prefill dense",
                  "prefill lse", "prefill score", "prefill sparse", "topk pool", "topk hist", "topk radix L2",
-                 "topk radix L3", "topk radix L5", "topk write"):
+                 "topk radix L3", "topk radix L5", "topk write", "step mask q", "step mask ones", "step meta start",
+                 "step meta ones"):
         assert any(n.startswith(part) for n in names), (part, names)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, failed
