@@ -79,7 +79,7 @@ def test_decode_meta_kernel_is_the_torch_metadata(ratio, k_min):
             assert (got.n, got.k) == (want.n, want.k)
     # every n of a range against the host rule
     n = torch.arange(1, 3000)
-    got = torch.cat([ts.decode_meta(None, dev(torch.tensor(int(x) - 1)), 1, ratio, k_min).cpu() for x in n[::97]])
+    got = torch.cat([ts.meta_tensor(None, dev(torch.tensor(int(x) - 1)), 1, ratio, k_min).cpu() for x in n[::97]])
     assert got[:, 2].tolist() == [budget.decode(int(x)) for x in n[::97]]
 
 
@@ -89,8 +89,8 @@ def test_a_triton_decode_step_is_planned_in_one_launch(monkeypatch):
     from kascade import ops
 
     calls = []
-    real = ts.decode_meta
-    monkeypatch.setattr(ts, "decode_meta", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = ts.meta_tensor
+    monkeypatch.setattr(ts, "meta_tensor", lambda *a, **k: calls.append(a) or real(*a, **k))
     q = dev(torch.randn(2, 4, 1, 16))
     k = dev(torch.randn(2, 2, 300, 16))
     pos = dev(torch.tensor(250))

@@ -9,6 +9,7 @@ that every later layer of the pass, and no other pass, sees it.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -108,7 +109,7 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         # static cache's mask eagerly before its compiled forward, so that the check runs there).
         if not compiling:
             _verify_pending()
-        fused = None if attention_mask is None else _fused(attention_mask, q_offset, compiling)
+        fused = None if attention_mask is None else _fused(attention_mask, q_offset)
         if fused is not None:
             # the geometry, the query's slot and the check in one launch (on a GPU host ~20 small ops cost ~0.6 ms)
             given = attention_mask[:, kv_offset : kv_offset + kv_length]
@@ -139,28 +140,29 @@ def kascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     return KeyMask(kv_start=kv_start, q_offset=q_slot)
 
 
-def _fused(attention_mask, q_offset, compiling: bool):
+def _fused(attention_mask, q_offset):
     """:mod:`kascade.ops.triton.step` if it reads this decode step's mask (:func:`~kascade.ops.triton.step.
     mask_geometry`), else None: an eager step (not traced, not captured) whose check is deferred (a GPU), with
     Triton installed and the query's slot on the mask's device (or a host int)."""
     dev = attention_mask.device
-    if compiling or dev.type not in DEFERRED_CHECK or attention_mask.dim() != 2:
+    if dev.type not in DEFERRED_CHECK or attention_mask.dim() != 2:
         return None
     if isinstance(q_offset, torch.Tensor) and (q_offset.device != dev or q_offset.numel() != 1):
         return None
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    if not _TRITON_STEP:
-        try:
-            from ..ops.triton import step
-        except ImportError:  # no Triton: the torch ops serve
-            step = None
-        _TRITON_STEP.append(step)
-    step = _TRITON_STEP[0]
-    return step if step is not None and step.usable(dev) else None
+    step = _triton_step()
+    return step if step is not None and step.usable(dev) else None  # usable: not while torch.compile traces
 
 
-_TRITON_STEP: list = []  # kascade.ops.triton.step once imported, or None without Triton
+@functools.cache
+def _triton_step():
+    """:mod:`kascade.ops.triton.step`, or None without Triton (the torch ops then serve)."""
+    try:
+        from ..ops.triton import step
+    except ImportError:
+        return None
+    return step
 
 
 def _check_2d(attention_mask: torch.Tensor) -> None:

@@ -99,11 +99,11 @@ def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, 
     cache's slots, or any larger bound (:func:`launch_bound`). The host ``n`` and ``k`` are launch bounds (the
     capacity and its budget: grid sizes and index widths; the budget never decreases with ``n``); the kernels read
     each sequence's ``n_b`` and ``k_b`` from the device tensor. ``fused``: in one Triton launch
-    (:func:`kascade.ops.triton.step.decode_meta`, eager only) instead of about ten torch ops, the same values."""
+    (:func:`kascade.ops.triton.step.meta_tensor`, eager only) instead of about ten torch ops, the same values."""
     if fused:
-        from .triton.step import decode_meta as fused_meta
+        from .triton.step import meta_tensor
 
-        t = fused_meta(kv_start, q_offset, B, budget.ratio, budget.k_min)
+        t = meta_tensor(kv_start, q_offset, B, budget.ratio, budget.k_min)
     else:
         dev = q_offset.device
         start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)

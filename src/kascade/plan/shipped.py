@@ -14,8 +14,9 @@ from .kascade_plan import KascadePlan, ModelFingerprint
 
 SHIPPED_VARIANTS = {
     "default": "the library's default: anchors chosen by measured fidelity with one moved where needles are lost (layer "
-               "1 to 7), per-layer budgets from each layer's measured sensitivity (same average budget); closer to "
-               "dense on held-out text than searched-budgets, and more needles answered (docs/calibration.md)",
+               "1 to 7), per-layer budgets from each layer's measured sensitivity (same average budget); against "
+               "searched-budgets: more needles answered, closer to dense at 8K, even at 4K, below at 2K "
+               "(docs/calibration.md)",
     "searched-budgets": "the default until 2026-12-07: the default's budgets with the anchors the search by measured "
                         "fidelity found (layer 1 where the default has 7); fewer needles answered",
     "searched": "anchors chosen by measured fidelity, one budget for every layer (the faithful reuse rule: the "

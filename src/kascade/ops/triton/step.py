@@ -9,7 +9,7 @@ results (tested against the torch forms they replace: :func:`kascade.integration
 
 * :func:`mask_geometry`: ``kv_start [B]``, the query's slot and each row's left-padding check from the 2-D
   padding mask;
-* :func:`decode_meta`: ``[B, 4]`` int32 ``(first valid slot, valid keys n_b, budget k(n_b), 0)``, the budget
+* :func:`meta_tensor`: ``[B, 4]`` int32 ``(first valid slot, valid keys n_b, budget k(n_b), 0)``, the budget
   ``k(n) = min(n, max(k_min, floor(ratio * n)))`` in float64 as :meth:`kascade.budget.Budget.k` computes it.
 
 Not while ``torch.compile`` traces (its graphs take the torch forms) and not in the interpreter's absence of a GPU:
@@ -103,7 +103,7 @@ def mask_geometry(mask: torch.Tensor, q_offset, kv_offset: int = 0):
 _RATIOS: dict = {}  # (ratio, device) -> the ratio as a float64 tensor on the device (Triton passes floats as fp32)
 
 
-def decode_meta(kv_start, q: torch.Tensor, B: int, ratio: float, k_min: int) -> torch.Tensor:
+def meta_tensor(kv_start, q: torch.Tensor, B: int, ratio: float, k_min: int) -> torch.Tensor:
     """``[B, 4]`` int32 on ``q``'s device: ``(kv_start[b], n_b, k(n_b), 0)`` with ``n_b = q + 1 - kv_start[b]`` and
     ``k(n) = min(n, max(k_min, floor(ratio * n)))`` (float64), one launch. ``q``: the query's slot, a one-element
     integer tensor; ``kv_start``: ``[B]`` integer tensor on that device, or None (zeros)."""
