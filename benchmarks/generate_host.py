@@ -3,7 +3,7 @@
 whole forward and the whole step.
 
     python -m benchmarks.generate_host [--length 32768] [--layers 8] [--anchors 2] [--steps 40] [--rounds 2]
-                                       [--head-maps rotated] [--profile] [--out DIR] [--quick]
+                                       [--head-maps rotated] [--budgets per-layer] [--profile] [--out DIR] [--quick]
 
 A random-weight Llama at Llama-3.1-8B's shapes (``--layers`` layers, bf16 on a GPU; ``--quick``: tiny shapes, fp32 on
 a CPU, the reference backend there), one prompt of ``--length`` tokens, greedy ``generate`` of ``--steps`` tokens over
@@ -34,7 +34,7 @@ import statistics
 import time
 
 from benchmarks.common import out_folder
-from benchmarks.common.plans import HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
 
 SKIP = 10  # decode steps left out of the medians (prefill and warm-up)
 
@@ -50,6 +50,9 @@ def _parse(argv):
     p.add_argument("--head-maps", choices=HEAD_MAPS, default="rotated",
                    help="the reuse layers' head maps (default rotated: a calibrated plan's reuse layers follow other "
                    "heads)")
+    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
+                   help="uniform: every layer the same budget; per-layer: 0.5 to 2 times it per layer, the default "
+                   "model's plan's kind (ranked anchors, each reuse layer a prefix of the ranking)")
     p.add_argument("--profile", action="store_true", help="a cProfile of ten Kascade decode steps (profile.txt)")
     p.add_argument("--out", default=None, help="output folder (default out/generate_host)")
     p.add_argument("--quick", action="store_true", help="tiny shapes on this machine's device: a smoke run")
@@ -170,7 +173,7 @@ def main(argv=None) -> dict:
     steps = SKIP + 4 if a.quick else a.steps
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = random_llama(shapes, device=str(dev), dtype=dtype, max_positions=length + steps + 64)
-    plan = uniform_plan(ModelFingerprint.from_model(model), a.anchors, a.head_maps)
+    plan = uniform_plan(ModelFingerprint.from_model(model), a.anchors, a.head_maps, a.budgets)
     backend = "triton" if dev.type == "cuda" else "reference"
     ids = prompt(1, length, shapes["vocab_size"], 0, dev)
     anchors = set(plan.anchors)
@@ -180,7 +183,8 @@ def main(argv=None) -> dict:
     clock = _Clock()
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-              "length": length, "layers": n, "anchors": sorted(anchors), "head_maps": a.head_maps, "steps": steps,
+              "length": length, "layers": n, "anchors": sorted(anchors), "head_maps": a.head_maps, "budgets": a.budgets,
+              "steps": steps,
               "backend": backend, "runs": []}
     out = out_folder(a.out, "generate_host")
     model.forward = clock.wrap(lambda args: "forward", model.forward)  # generate calls the instance's forward
@@ -201,7 +205,8 @@ def main(argv=None) -> dict:
 
 def summary(result: dict) -> str:
     head = (f"eager generate, host time (us), {result['device']}, {result['length']} tokens, {result['layers']} layers, "
-            f"anchors {result['anchors']}, {result['head_maps']} head maps, {result['backend']} backend")
+            f"anchors {result['anchors']}, {result['head_maps']} head maps, "
+            f"{result.get('budgets', 'uniform')} budgets, {result['backend']} backend")
     lines = [head, "", "| round | path | step | forward | mask fn | layer 0 | anchor | reuse | dense layer |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, run in enumerate(result["runs"]):

@@ -2,7 +2,7 @@
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
     python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--cache static|dynamic]
-                                       [--head-maps identity|rotated] [--launch] [--no-gc] [--json FILE]
+                                       [--head-maps identity|rotated] [--budgets uniform|per-layer] [--launch] [--no-gc] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
 it; with ``--cache dynamic`` the keys grow by one a step and K and V are new tensors each step, as transformers'
@@ -33,7 +33,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from benchmarks.common.plans import HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
 
 
 def _parse(argv):
@@ -53,6 +53,10 @@ def _parse(argv):
                    help="the reuse layers' head maps: identity (the uniform plan's) or rotated (KV head h follows its "
                    "anchor's head h + 1: a calibrated plan's reuse layers follow other heads, all 24 of the default "
                    "model's)")
+    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
+                   help="uniform: every layer the same budget (the paper's rule); per-layer: 0.5 to 2 times it per "
+                   "layer, the default model's plan's kind: its anchors rank their keys and each reuse layer attends a "
+                   "prefix of the ranking")
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")
@@ -77,11 +81,12 @@ class _Stub:
 
 
 def stub_kernels(counts: dict) -> list:
-    """Replace every ``@triton.jit`` function of the decode modules by a :class:`_Stub`; returns what to restore."""
-    from kascade.ops.triton import decode, topk
+    """Replace every ``@triton.jit`` function of the decode step's modules by a :class:`_Stub`; returns what to
+    restore."""
+    from kascade.ops.triton import decode, step, topk
 
     saved = []
-    for mod in (decode, topk):
+    for mod in (decode, topk, step):
         for name, obj in list(vars(mod).items()):
             if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner"):
                 saved.append((mod, name, obj))
@@ -90,7 +95,7 @@ def stub_kernels(counts: dict) -> list:
 
 
 def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, batch: int,
-            launch: bool = False, cache: str = "static", head_maps: str = "identity") -> dict:
+            launch: bool = False, cache: str = "static", head_maps: str = "identity", budgets: str = "uniform") -> dict:
     import torch
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -103,7 +108,7 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
 
     dev = torch.device(device)
     cfg = LlamaConfig(**{**LLAMA8B, "num_hidden_layers": layers})
-    plan = uniform_plan(ModelFingerprint.from_config(cfg), anchors, head_maps)
+    plan = uniform_plan(ModelFingerprint.from_config(cfg), anchors, head_maps, budgets)
     B, HQ, H, D = batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dt = torch.bfloat16
     runtime = kascade.Attention(plan, backend="triton")
@@ -181,7 +186,8 @@ def measure(*, device: str, steps: int, keys: int, layers: int, anchors: int, ba
     return dict(us=us, launches={k2: sum(v2.values()) for k2, v2 in launches.items()}, launch_detail=launches,
                 step_us=dict(kascade=step_kascade, dense=layers * us["dense (SDPA function)"]),
                 setup=dict(device=str(dev), launched=launch, batch=B, keys=keys, layers=layers,
-                           anchors=list(plan.anchors), steps=steps, dtype="bf16", cache=cache, head_maps=head_maps))
+                           anchors=list(plan.anchors), steps=steps, dtype="bf16", cache=cache, head_maps=head_maps,
+                           budgets=budgets))
 
 
 def environment(device: str) -> str:
@@ -210,7 +216,8 @@ def table(r: dict, env: str) -> str:
     lines = [f"host time per layer, {how}; {env}",
              f"{s.get('cache', 'static')}-cache decode step, B={s['batch']}, {s['keys']} "
              f"{'slots' if s.get('cache', 'static') == 'static' else 'keys and one more a step'}, {s['layers']} "
-             f"layers, anchors {s['anchors']}, {s.get('head_maps', 'identity')} head maps, bf16, Triton backend; "
+             f"layers, anchors {s['anchors']}, {s.get('head_maps', 'identity')} head maps, "
+             f"{s.get('budgets', 'uniform')} budgets, bf16, Triton backend; "
              f"median of {s['steps']} steps"
              + ("" if s.get("gc", True) else ", garbage collector off"), "",
              "| layer | host us | kernel launches |", "|---|---|---|"]
@@ -240,7 +247,7 @@ def main(argv=None) -> dict:
     try:
         r = measure(device=device, steps=args.steps, keys=args.keys, layers=args.layers,
                     anchors=args.anchors, batch=args.batch, launch=args.launch, cache=args.cache,
-                    head_maps=args.head_maps)
+                    head_maps=args.head_maps, budgets=args.budgets)
     finally:
         gc.enable()
     r["setup"]["gc"] = not args.no_gc

@@ -112,6 +112,7 @@ def variants():
     for level in (2, 3, 5):
         yield f"topk radix L{level}", topk._radix_kernel, dict(H=8, CH=ch, NHIST=topk.NHIST, LEVEL=level), 4, 3
     yield "topk write", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False), 4, 3
+    yield "topk write rank", topk._write_kernel, dict(H=8, CH=ch, C_PAD=64, PAGED=False, RANK=True), 4, 3
     # the decode step's geometry and metadata; a scalar argument equal to 1 arrives as a constant (a query at slot 1,
     # a mask of one slot, k_min = 1), which has no tensor methods
     for has_q, ones in ((True, {}), (False, {}), (False, {"q_given": 1, "W": 1})):
@@ -120,6 +121,9 @@ def variants():
     for has_start, ones in ((True, {}), (False, {"k_min": 1})):
         yield (f"step meta{' start' if has_start else ''}{' ones' if ones else ''}", ts._meta_kernel,
                dict(HAS_START=has_start, B=3, BP=4, **ones), 4, 3)
+    for rows, ones in ((False, {}), (True, {}), (True, {"k_min": 1})):
+        yield (f"step counts{' rows' if rows else ''}{' ones' if ones else ''}", ts._counts_kernel,
+               dict(ROWS=rows, B=3, BP=4, **ones), 4, 3)
 
 
 def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
@@ -142,7 +146,9 @@ def signature(fn, consts: dict, name: str) -> tuple[dict, dict]:
         sig.update({"Q": I8, "K": I8} if "quantize" not in name else {"X8": I8})
     if name.startswith("step"):  # the mask's int64 (generate's), the slot and kv_start int64, the metadata int32
         sig.update({a: t for a, t in (("M", I64), ("Qp", I64), ("Start", I64), ("Ratio", "*fp64"),
-                                      ("Out", I64 if "mask" in name else I32)) if a in sig})
+                                      ("Factor", "*fp64"), ("Out", I64 if "mask" in name else I32)) if a in sig})
+    if name.startswith("topk write"):  # the selection's indices (int32, the Triton steps'), a ranking's int64 keys
+        sig["Out"] = I64 if "rank" in name else I32
     if "Idx" in sig:  # the index dtypes the launchers pass: int32 (the Triton steps') and int64
         sig["Idx"] = I64 if ("int64" in name or name.startswith("prefill")) else I32
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

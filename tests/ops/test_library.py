@@ -144,3 +144,13 @@ def test_a_decode_step_planned_on_the_device_reads_nothing_back(monkeypatch):
     monkeypatch.undo()
     assert reads == []
     assert out.shape == q.shape and sel.indices.shape == (2, 2, 1, BUDGET.decode(40))
+
+
+def test_a_budget_is_one_object_however_its_arguments_are_passed():
+    """Layer 0's op passes (ratio, k_min), the anchors' ops add score_dtype by keyword: the same Budget either way,
+    so that the decode metadata the library keeps for a step (and its counts, memoised on it) serves them all."""
+    from kascade.ops import library
+
+    a = library._budget(0.1, 128)
+    assert a is library._budget(0.1, 128, score_dtype=None) is library._budget(0.1, 128, 32, True, None)
+    assert a is not library._budget(0.1, 128, score_dtype="int8")

@@ -124,13 +124,16 @@ def test_decode_kernels_match_reference(case):
     check_close(out_a, want, sparse_attention(q, k, v, sel_abs, **pos), "anchor output")
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["sets", "ranked"])
+@pytest.mark.parametrize("index_dtype", [torch.long, torch.int32])
 @pytest.mark.parametrize("scores", ["four-levels", "peaked"])
-def test_radix_selection_breaks_exact_ties_by_position(scores):
+def test_radix_selection_breaks_exact_ties_by_position(scores, index_dtype, ranked):
     """Scores drawn from a few levels, so the pooled probabilities tie exactly, across several selection chunks:
     the radix select keeps every key above the k-th value and the earliest keys equal to it (several programs per
     row: the last one to finish each pass makes the next pass's bin search). "peaked": a few keys hold nearly all
     the mass and the k-th key's probability (~2^-90) lies far below the first histogram's exponent window, so the
-    fallback path (the whole bit pattern radixed from the top) decides."""
+    fallback path (the whole bit pattern radixed from the top) decides. ``ranked``: the same keys in descending
+    probability, ties by position (the write kernel's sort keys, sorted), -1 padding after them."""
     B, H, G, D = 2, 2, 3, 64
     N = 700
     n = [N, 333]
@@ -151,12 +154,13 @@ def test_radix_selection_breaks_exact_ties_by_position(scores):
     hist = scoring_hist(B * H)  # garbage beyond the bins the scoring pass zeroes: a fallback row zeroes its own
     stats = torch.cat([mx.flatten(), ls.flatten()])  # the split maxima [B, HQ, 1], then the sums
     indices = topk.select_rows(dev(sc.contiguous()), dev(stats), dev(hist), 1, meta, B, H, G, method="radix",
-                               chunk=64).cpu()
+                               chunk=64, ranked=ranked, index_dtype=index_dtype).cpu()
+    assert indices.dtype == index_dtype and indices.shape == (B, H, 1, BUDGET.decode(N))
     for b in range(B):
         kb = BUDGET.decode(n[b])
         s = sc[b, 0, : n[b]]
         order = torch.sort(-s, stable=True).indices[:kb]  # higher level first, then earlier position
-        want = order.sort().values + (N - n[b] if b else 0)
+        want = (order if ranked else order.sort().values) + (N - n[b] if b else 0)
         for h in range(H):
             assert torch.equal(indices[b, h, 0, :kb], want), f"seq {b} head {h}"
             assert bool((indices[b, h, 0, kb:] == -1).all())

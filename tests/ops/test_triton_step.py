@@ -1,6 +1,7 @@
 """The decode step's one-launch geometry and metadata kernels (kascade.ops.triton.step) against the torch forms they
-replace: the mask function's left-padding check and first valid slots (kascade.integration.functions), and the
-device-planned step's metadata (kascade.ops.step.decode_meta_static); on the test device (tests/conftest.py)."""
+replace: the mask function's left-padding check and first valid slots (kascade.integration.functions), the
+device-planned step's metadata (kascade.ops.step.decode_meta_static) and its counts at a budget multiplier
+(kascade.ops.step.DecodeMeta.counts / with_counts); on the test device (tests/conftest.py)."""
 
 import itertools
 
@@ -11,7 +12,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 from kascade.budget import Budget  # noqa: E402
 from kascade.integration.functions import _left_padded, _left_padding_start  # noqa: E402
-from kascade.ops.step import decode_meta_static  # noqa: E402
+from kascade.budget import at_factor  # noqa: E402
+from kascade.ops.step import DecodeMeta, decode_meta, decode_meta_static  # noqa: E402
 from kascade.ops.triton import step as ts  # noqa: E402
 from kernel_checks import DEVICE, dev  # noqa: E402
 
@@ -81,6 +83,49 @@ def test_decode_meta_kernel_is_the_torch_metadata(ratio, k_min):
     n = torch.arange(1, 3000)
     got = torch.cat([ts.meta_tensor(None, dev(torch.tensor(int(x) - 1)), 1, ratio, k_min).cpu() for x in n[::97]])
     assert got[:, 2].tolist() == [budget.decode(int(x)) for x in n[::97]]
+
+
+@pytest.mark.parametrize("ratio,k_min", [(0.1, 128), (0.3, 1), (1 / 3, 7), (0.0, 5), (1.0, 3)])
+def test_counts_kernel_is_the_budget_rule_at_every_factor(ratio, k_min):
+    """The one-launch counts at a budget multiplier equal kascade.budget's float64 rule (halves round up, at least
+    one key, at most n) for lengths around the budget's boundaries and factors whose products land on halves; the
+    rows form keeps the metadata's other columns and replaces its budget column."""
+    budget = Budget(ratio=ratio, k_min=k_min)
+    ns = [1, 2, 3, 5, 7, 9, 127, 128, 129, 255, 1280, 1285, 1289, 1290, 4095, 10_001, 131_071]
+    for factor in (0.5, 1.0, 1.5, 2.0, 0.25, 0.3, 1 / 3, 0.001, 3.7):
+        for first in range(0, len(ns), 5):
+            n = ns[first:first + 5]
+            meta = dev(torch.tensor([[3 * b, x, 99, 7] for b, x in enumerate(n)], dtype=torch.int32))
+            want = [budget.decode_counts(x, factor) for x in n]
+            assert want == at_factor(budget.decode(torch.tensor(n)), factor, torch.tensor(n)).tolist()
+            got = ts.counts_tensor(meta, ratio, k_min, factor)
+            assert got.dtype == torch.int32 and got.cpu().tolist() == want, (factor, n)
+            rows = ts.counts_tensor(meta, ratio, k_min, factor, rows=True).cpu()
+            assert rows[:, 2].tolist() == want
+            assert torch.equal(rows[:, [0, 1, 3]], meta.cpu()[:, [0, 1, 3]])
+
+
+def test_fused_decode_metadata_counts_in_one_launch(monkeypatch):
+    """DecodeMeta.counts / with_counts of a fused step (an eager Triton step on a GPU) take the counts kernel, once
+    per factor (memoised), with the torch ops' values; the budget column of with_counts' metadata too."""
+    budget = Budget(ratio=0.1, k_min=16)
+    calls = []
+    real = ts.counts_tensor
+    monkeypatch.setattr(ts, "counts_tensor", lambda *a, **k: calls.append(a) or real(*a, **k))
+    for make in (lambda f: decode_meta(3, device=DEVICE, kv_start=[0, 5, 900], q_offset=1000, budget=budget, fused=f),
+                 lambda f: decode_meta_static(3, dev(torch.tensor([0, 5, 900])), dev(torch.tensor(1000)), 1024,
+                                              budget, fused=f)):
+        plain, fused = make(False), make(True)
+        assert fused.fused and not plain.fused
+        for factor in (0.5, 1.5, 2.0):
+            n0 = len(calls)
+            assert torch.equal(fused.counts(budget, factor).cpu(), plain.counts(budget, factor).cpu())
+            assert torch.equal(fused.with_counts(budget, factor).tensor.cpu(),
+                               plain.with_counts(budget, factor).tensor.cpu())
+            fused.counts(budget, factor), fused.with_counts(budget, factor)  # memoised: no launch
+            assert len(calls) == n0 + 2
+            assert fused.with_counts(budget, factor).fused
+    assert isinstance(plain, DecodeMeta)
 
 
 def test_a_triton_decode_step_is_planned_in_one_launch(monkeypatch):

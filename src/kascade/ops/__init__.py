@@ -172,7 +172,8 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
         raise ValueError(f"kv_start {kv_start.tolist()} leaves a sequence without keys (valid range 0..{q_offset + L - 1})")
     meta = None
     if backend == "triton" and L == 1:
-        meta = decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset, budget=budget)
+        meta = decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset, budget=budget,
+                           fused=_fused_step(q.device))
     return Step(kv_start=kv_start, q_offset=q_offset, meta=meta, **shape)
 
 

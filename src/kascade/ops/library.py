@@ -44,9 +44,15 @@ from .step import DecodeMeta
 NAMESPACE = "kascade"
 
 
-@functools.lru_cache(maxsize=256)
 def _budget(ratio: float, k_min: int, tile: int = 32, rolling: bool = True,
             score_dtype: Optional[str] = None) -> Budget:
+    """The one :class:`Budget` of these arguments (made once: the ops of a step then share it, and the metadata that
+    :func:`_meta` keeps for it)."""
+    return _budget_of(ratio, k_min, tile, rolling, score_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _budget_of(ratio, k_min, tile, rolling, score_dtype) -> Budget:  # positional: one cache entry per budget
     return Budget(ratio=ratio, k_min=k_min, tile=tile, rolling=rolling, score_dtype=score_dtype)
 
 
@@ -77,9 +83,17 @@ def _meta(meta: torch.Tensor, keys: int, budget: Budget | None):
     if cache and last is not None and last[0] is meta and last[1] == keys and last[2] is budget:
         return last[3]
     B = meta.shape[0]
-    dm = DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B, paged=False)
+    dm = DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B, paged=False,
+                    fused=_fused(meta.device))
     _LAST_META[0] = (meta, keys, budget, dm) if cache else None
     return dm
+
+
+def _fused(device) -> bool:
+    """Whether a step's counts on ``device`` take one Triton launch (:attr:`DecodeMeta.fused`)."""
+    from .triton.step import usable
+
+    return usable(device)
 
 
 def decode_width(keys: int, ratio: float, k_min: int, rank_factor: Optional[float]) -> int:

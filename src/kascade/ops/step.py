@@ -33,6 +33,8 @@ class DecodeMeta:
             on the device (:func:`decode_meta_static`) they are launch bounds: the cache capacity (on the Triton
             backend rounded up, :func:`launch_bound`) and its budget.
     paged:  whether it describes a paged cache.
+    fused:  whether :meth:`counts` and :meth:`with_counts` compute in one Triton launch
+            (:func:`kascade.ops.triton.step.counts_tensor`, eager steps on a GPU) rather than about 18 torch ops.
     derived: tensors computed from it once per step (:meth:`with_counts`).
     """
 
@@ -40,6 +42,7 @@ class DecodeMeta:
     n: tuple
     k: tuple | None
     paged: bool
+    fused: bool = field(default=False, compare=False)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -56,7 +59,12 @@ class DecodeMeta:
         (:meth:`Budget.decode_counts` of ``n_b``), from device ops only (graph-capturable); memoised."""
         key = ("counts", float(factor))
         if key not in self.derived:
-            self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), factor).to(torch.int32).contiguous()
+            if self.fused:
+                from .triton.step import counts_tensor
+
+                self.derived[key] = counts_tensor(self.tensor, budget.ratio, budget.k_min, factor)
+            else:
+                self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), factor).to(torch.int32).contiguous()
         return self.derived[key]
 
     @_renamed.keywords(_renamed.FACTOR, scale="factor")
@@ -65,17 +73,22 @@ class DecodeMeta:
         selection at that factor keeps), memoised."""
         key = ("with_counts", float(factor))
         if key not in self.derived:
-            t = self.tensor.clone()
-            t[:, 2] = self.counts(budget, factor)
+            if self.fused:
+                from .triton.step import counts_tensor
+
+                t = counts_tensor(self.tensor, budget.ratio, budget.k_min, factor, rows=True)
+            else:
+                t = self.tensor.clone()
+                t[:, 2] = self.counts(budget, factor)
             self.derived[key] = DecodeMeta(tensor=t, n=self.n, k=tuple(budget.decode_counts(n, factor) for n in self.n),
-                                           paged=self.paged)
+                                           paged=self.paged, fused=self.fused)
         return self.derived[key]
 
 
 def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, budget: Budget | None = None,
-                paged: bool = False) -> DecodeMeta:
+                paged: bool = False, fused: bool = False) -> DecodeMeta:
     """:class:`DecodeMeta` from host values. Contiguous: ``kv_start`` (``None`` = zeros, list or tensor) and
-    ``q_offset``. Paged: ``seq_lens`` (list or tensor; read on the host once)."""
+    ``q_offset``. Paged: ``seq_lens`` (list or tensor; read on the host once). ``fused``: :attr:`DecodeMeta.fused`."""
     if paged:
         assert seq_lens is not None, "a paged cache needs seq_lens"
         n = [int(x) for x in torch.as_tensor(seq_lens).reshape(-1).tolist()]
@@ -88,7 +101,7 @@ def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, 
     k = None if budget is None else [budget.decode(x) for x in n]
     rows = [[base[b], n[b], 0 if k is None else k[b], 0] for b in range(B)]
     t = torch.tensor(rows, dtype=torch.int32).to(device)
-    return DecodeMeta(tensor=t, n=tuple(n), k=None if k is None else tuple(k), paged=paged)
+    return DecodeMeta(tensor=t, n=tuple(n), k=None if k is None else tuple(k), paged=paged, fused=fused)
 
 
 def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, budget: Budget, *,
@@ -109,7 +122,8 @@ def decode_meta_static(B: int, kv_start, q_offset: torch.Tensor, capacity: int, 
         start = torch.zeros(B, dtype=torch.long, device=dev) if kv_start is None else kv_start.to(torch.long)
         n = q_offset.to(torch.long) + 1 - start  # [B] valid keys
         t = torch.stack([start, n, budget.decode(n), torch.zeros_like(n)], 1).to(torch.int32)
-    return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False)
+    return DecodeMeta(tensor=t, n=(int(capacity),) * B, k=(budget.decode(int(capacity)),) * B, paged=False,
+                      fused=fused)
 
 
 # A device-planned decode step's launch bound on the Triton backend: the key slots rounded up to a multiple of this.

@@ -10,7 +10,10 @@ results (tested against the torch forms they replace: :func:`kascade.integration
 * :func:`mask_geometry`: ``kv_start [B]``, the query's slot and each row's left-padding check from the 2-D
   padding mask;
 * :func:`meta_tensor`: ``[B, 4]`` int32 ``(first valid slot, valid keys n_b, budget k(n_b), 0)``, the budget
-  ``k(n) = min(n, max(k_min, floor(ratio * n)))`` in float64 as :meth:`kascade.budget.Budget.k` computes it.
+  ``k(n) = min(n, max(k_min, floor(ratio * n)))`` in float64 as :meth:`kascade.budget.Budget.k` computes it;
+* :func:`counts_tensor`: a plan with per-layer budgets keeps ``at_factor(k(n_b), factor, n_b)`` keys per sequence
+  in a layer of budget multiplier ``factor`` (:meth:`kascade.ops.step.DecodeMeta.counts` and ``with_counts``): about
+  18 torch ops per factor and step before, one launch here.
 
 Not while ``torch.compile`` traces (its graphs take the torch forms) and not in the interpreter's absence of a GPU:
 the callers decide (:func:`usable`).
@@ -76,6 +79,27 @@ def _meta_kernel(Start, Qp, Ratio, Out, k_min, HAS_START: tl.constexpr, B: tl.co
     tl.store(row + 3, tl.zeros((BP,), dtype=tl.int32), mask=inside)
 
 
+@triton.jit
+def _counts_kernel(Meta, Ratio, Factor, Out, k_min, ROWS: tl.constexpr, B: tl.constexpr, BP: tl.constexpr):
+    # at_factor(k(n), factor, n) = min(n, max(floor(factor * k + 0.5), min(k, 1))), k = k(n) as in _meta_kernel, in
+    # float64 as kascade.budget computes them. ROWS: Out is Meta's [B, 4] with column 2 replaced; else [B].
+    i = tl.arange(0, BP)
+    inside = i < B
+    n = tl.load(Meta + 4 * i + 1, mask=inside, other=0).to(tl.int64)
+    k = tl.floor(n.to(tl.float64) * tl.load(Ratio)).to(tl.int64)
+    k = tl.minimum(n, tl.maximum(k, k_min))
+    c = tl.floor(k.to(tl.float64) * tl.load(Factor) + 0.5).to(tl.int64)
+    c = tl.minimum(tl.maximum(c, tl.minimum(k, 1)), n)
+    if ROWS:
+        row = Out + 4 * i
+        tl.store(row, tl.load(Meta + 4 * i, mask=inside, other=0), mask=inside)
+        tl.store(row + 1, n.to(tl.int32), mask=inside)
+        tl.store(row + 2, c.to(tl.int32), mask=inside)
+        tl.store(row + 3, tl.load(Meta + 4 * i + 3, mask=inside, other=0), mask=inside)
+    else:
+        tl.store(Out + i, c.to(tl.int32), mask=inside)
+
+
 def usable(device: torch.device) -> bool:
     """Whether these kernels serve a step on ``device`` eagerly: a CUDA device (or the interpreter, for tests), and
     not while ``torch.compile`` traces."""
@@ -100,7 +124,16 @@ def mask_geometry(mask: torch.Tensor, q_offset, kv_offset: int = 0):
     return out[:B], out[2 * B], out[B : 2 * B]
 
 
-_RATIOS: dict = {}  # (ratio, device) -> the ratio as a float64 tensor on the device (Triton passes floats as fp32)
+_FLOAT64: dict = {}  # (value, device) -> the value as a float64 tensor on the device (Triton passes floats as fp32)
+
+
+def _float64(x: float, device) -> torch.Tensor:
+    """``x`` as a float64 tensor on ``device``, made once (a kernel's exact float argument)."""
+    key = (float(x), device)
+    r = _FLOAT64.get(key)
+    if r is None:
+        r = _FLOAT64[key] = torch.tensor(float(x), dtype=torch.float64, device=device)
+    return r
 
 
 def meta_tensor(kv_start, q: torch.Tensor, B: int, ratio: float, k_min: int) -> torch.Tensor:
@@ -108,12 +141,21 @@ def meta_tensor(kv_start, q: torch.Tensor, B: int, ratio: float, k_min: int) -> 
     ``k(n) = min(n, max(k_min, floor(ratio * n)))`` (float64), one launch. ``q``: the query's slot, a one-element
     integer tensor; ``kv_start``: ``[B]`` integer tensor on that device, or None (zeros)."""
     dev = q.device
-    key = (float(ratio), dev)
-    r = _RATIOS.get(key)
-    if r is None:
-        r = _RATIOS[key] = torch.tensor(float(ratio), dtype=torch.float64, device=dev)
     out = torch.empty(B, 4, dtype=torch.int32, device=dev)
     has_start = kv_start is not None
-    launch(_meta_kernel, (1,), (kv_start if has_start else out, q, r, out), (int(k_min),),
+    launch(_meta_kernel, (1,), (kv_start if has_start else out, q, _float64(ratio, dev), out), (int(k_min),),
            config(HAS_START=has_start, B=B, BP=max(2, next_power_of_2(B))))
+    return out
+
+
+def counts_tensor(meta: torch.Tensor, ratio: float, k_min: int, factor: float, *, rows: bool = False) -> torch.Tensor:
+    """The keys each sequence keeps at budget multiplier ``factor``, ``at_factor(k(n_b), factor, n_b)``
+    (:func:`kascade.budget.at_factor`, float64), from a decode step's ``meta [B, 4]`` int32 (its ``n_b`` column), one
+    launch: ``[B]`` int32, or with ``rows`` the ``[B, 4]`` metadata with its budget column replaced by them."""
+    B = meta.shape[0]
+    dev = meta.device
+    assert meta.dtype == torch.int32 and meta.shape == (B, 4) and meta.is_contiguous()
+    out = torch.empty((B, 4) if rows else (B,), dtype=torch.int32, device=dev)
+    launch(_counts_kernel, (1,), (meta, _float64(ratio, dev), _float64(factor, dev), out), (int(k_min),),
+           config(ROWS=rows, B=B, BP=max(2, next_power_of_2(B))))
     return out

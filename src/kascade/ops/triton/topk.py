@@ -287,9 +287,11 @@ def _radix_kernel(Pooled, Meta, Hist, State, Cnt, sc_row, C, mass,
 
 @triton.jit
 def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX, out_rows, stride_og, stride_or,
-                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr):
+                  H: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, PAGED: tl.constexpr,
+                  RANK: tl.constexpr = False):
     """Ordered compaction: every element above the threshold, and the first ones equal to it, in key order, into
-    row ``row`` of ``Out`` at ``(row // out_rows) * stride_og + (row % out_rows) * stride_or``."""
+    row ``row`` of ``Out`` at ``(row // out_rows) * stride_og + (row % out_rows) * stride_or``. RANK: each one as its
+    int64 sort key (:func:`_rank_keys`) instead of its key slot, the padding as the largest key."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     out_row = Out + (row // out_rows).to(tl.int64) * stride_og + (row % out_rows).to(tl.int64) * stride_or
@@ -316,28 +318,46 @@ def _write_kernel(Pooled, Meta, State, Cnt, Out, sc_row, C, KMAX, out_rows, stri
     sel = gt | (eq & (eq_rank < need))
     seli = sel.to(tl.int32)
     dst = gt_before + tl.minimum(eq_before, need) + tl.cumsum(seli, 0) - seli
-    tl.store(out_row + dst, (base + pos).to(Out.dtype.element_ty), mask=sel)
+    if RANK:  # descending value first (a value's bits, >= 0, rise with it), then ascending slot
+        rank = ((0x7FFFFFFF - key).to(tl.int64) << 32) | (base + pos).to(tl.int64)
+        tl.store(out_row + dst, rank, mask=sel)
+    else:
+        tl.store(out_row + dst, (base + pos).to(Out.dtype.element_ty), mask=sel)
     if c == 0:
         for p0 in range(kb, KMAX, CH):
             pp = p0 + tl.arange(0, CH)
-            tl.store(out_row + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
+            if RANK:
+                tl.store(out_row + pp, tl.full([CH], 0x7FFFFFFFFFFFFFFF, tl.int64), mask=pp < KMAX)
+            else:
+                tl.store(out_row + pp, tl.full([CH], -1, Out.dtype.element_ty), mask=pp < KMAX)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
-def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H, ch, C, KMAX, paged):
+def _radix_passes(vals, meta, Hist, State, mass, out, out_rows, sc_row, rows, H, ch, C, KMAX, paged, rank=False):
     """After the first histogram (counted under the bound ``mass``, its bin search in ``State [rows, 8]``): the
     refining passes, the per-chunk counts at the exact threshold and the ordered write of each row's top keys
     (``KMAX`` slots) into ``out``, a 3-d view whose last dim is contiguous: row ``r`` at ``out[r // out_rows,
-    r % out_rows]``."""
+    r % out_rows]``. ``rank``: their sort keys instead, into an int64 ``out`` (:func:`_rank_keys`)."""
+    assert not rank or out.dtype == torch.int64
     Cnt = torch.empty(rows, C, 2, dtype=torch.int32, device=vals.device)
     for level in (2, 3, 4, 5):
         launch(_radix_kernel, (C, rows), (vals, meta, Hist, State, Cnt), (sc_row, C, mass),
                config(H=H, CH=ch, NHIST=NHIST, LEVEL=level))
     launch(_write_kernel, (C, rows), (vals, meta, State, Cnt, out),
            (sc_row, C, KMAX, out_rows, out.stride(0), out.stride(1)),
-           config(H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged))
+           config(H=H, CH=ch, C_PAD=next_power_of_2(C), PAGED=paged, RANK=rank))
+
+
+def _rank_keys(keys: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:
+    """The selected slots in descending value (ties: the earlier slot first), -1 padded at the end, from the write
+    kernel's sort keys (RANK): ``(0x7FFFFFFF - bits(value)) << 32 | slot`` per selected key (a value is >= 0, so its
+    fp32 bits rise with it) and the largest int64 for padding. One sort of the keys orders them; the low 32 bits are
+    the slots (padding: all ones, -1), taken by an integer conversion (it keeps the low bits). Two launches where
+    ranking by gathered values took about ten (eager decoding waits for the host's launches)."""
+    slots = keys.sort(dim=-1).values.to(torch.int32)
+    return slots if index_dtype == torch.int32 else slots.to(index_dtype)
 
 
 def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None, ranked=False,
@@ -364,16 +384,11 @@ def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None
     launch(_pool_kernel, (C, rows), (Sc, Stats, meta.tensor, Pooled, Hist, State), (sc_row, S),
            config(H=H, G=G, GP=next_power_of_2(G), S_PAD=next_power_of_2(S), CH=ch, NHIST=NHIST, HIST=radix))
     if radix:
-        indices = torch.empty(B, H, 1, KMAX, dtype=index_dtype, device=dev)
+        indices = torch.empty(B, H, 1, KMAX, dtype=torch.int64 if ranked else index_dtype, device=dev)
         # the pooling kernel counted its histogram under the bound G (a row's probabilities sum to G)
         _radix_passes(Pooled, meta.tensor, Hist, State, float(G), indices.view(rows, 1, KMAX), 1, sc_row, rows, H,
-                      ch, C, KMAX, meta.paged)
-        if ranked:
-            base = 0 if meta.paged else meta.tensor[:, 0].long()[:, None, None]
-            sel = indices[:, :, 0]  # [B, H, KMAX], ascending slots, -1 padded
-            indices = _by_value(sel, Pooled.view(B, H, sc_row).gather(-1, (sel.long() - base).clamp(min=0)))
-            indices = indices[:, :, None, :]
-        return indices
+                      ch, C, KMAX, meta.paged, rank=ranked)
+        return _rank_keys(indices, index_dtype) if ranked else indices
     assert method == "topk", method
     top = Pooled.view(B, H, sc_row).topk(KMAX, dim=-1).indices  # descending scores
     kb = meta.tensor[:, 2].long()  # on the device: no host copy, so this path can be captured in a graph
@@ -387,14 +402,15 @@ def select_rows(Sc, Stats, Hist, S, meta, B, H, G, *, method="radix", chunk=None
 
 
 def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: int, out: torch.Tensor, *,
-              out_rows: int = 1, mass: float | None = None, chunk: int | None = None) -> None:
+              out_rows: int = 1, mass: float | None = None, chunk: int | None = None, rank: bool = False) -> None:
     """Row ``r`` of ``vals [R, W]`` (fp32, candidates >= 0, -inf elsewhere) keeps its top ``meta[r, 2]`` values
     (exact; ties at the threshold: the earliest positions) as ascending positions plus ``meta[r, 0]``, written with
     -1 padding to ``kc`` straight into ``out`` (int32 or int64; row ``r`` at ``out[r // out_rows, r % out_rows]`` of
     a 3-d view whose last dim is contiguous: a chunk of a prefill selection's rows in place). ``meta [R, 4]`` int32
     on the device: (offset, W, count, 0) per row; ``hist [R, NHIST]`` int32 zeroed (its :data:`HOT` bins and
     tickets at least); ``kc >=`` every count;
-    ``mass``: as :func:`row_topk`'s. No memset, copy or write-back launches beside the kernels: a prefill selection
+    ``mass``: as :func:`row_topk`'s; ``rank``: each kept value's sort key instead, into an int64 ``out``
+    (:func:`_rank_keys`). No memset, copy or write-back launches beside the kernels: a prefill selection
     at 128K tokens runs ~250 chunks, and the host's launches, not the GPU, set its pace (docs/design/kernels.md)."""
     R, W = vals.shape
     assert vals.dtype == torch.float32 and vals.is_contiguous() and meta.shape == (R, 4) and meta.is_contiguous()
@@ -405,7 +421,7 @@ def rows_into(vals: torch.Tensor, meta: torch.Tensor, hist: torch.Tensor, kc: in
     bound = float(mass or 0.0)
     State = torch.empty(R, 8, dtype=torch.int32, device=vals.device)
     _hist_kernel[(C, R)](vals, meta, hist, State, W, bound, CH=ch, NHIST=NHIST)
-    _radix_passes(vals, meta, hist, State, bound, out, out_rows, W, R, 1, ch, C, kc, False)
+    _radix_passes(vals, meta, hist, State, bound, out, out_rows, W, R, 1, ch, C, kc, False, rank=rank)
 
 
 def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
@@ -426,17 +442,9 @@ def row_topk(vals: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool 
     meta[:, 1] = W
     meta[:, 2] = counts
     out = torch.empty(R, 1, kc, dtype=torch.long, device=dev)
-    rows_into(vals, meta, torch.zeros(R, NHIST, dtype=torch.int32, device=dev), kc, out, mass=mass, chunk=chunk)
-    out = out[:, 0]
-    return _by_value(out, vals.gather(-1, out.clamp(min=0))) if ranked else out
-
-
-def _by_value(sel: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """Rows of selected keys ``sel`` (ascending, -1 padded) reordered by their values ``vals`` (same shape),
-    descending; ties keep the earlier key first, the padding stays at the end: ranking only the selected keys,
-    a sort of K values rather than a top-k over all n."""
-    vals = torch.where(sel >= 0, vals, float("-inf"))
-    return sel.gather(-1, vals.argsort(dim=-1, descending=True, stable=True))
+    rows_into(vals, meta, torch.zeros(R, NHIST, dtype=torch.int32, device=dev), kc, out, mass=mass, chunk=chunk,
+              rank=ranked)
+    return _rank_keys(out[:, 0], torch.long) if ranked else out[:, 0]
 
 
 def tile_topk(buf: torch.Tensor, counts: torch.Tensor, kc: int, *, ranked: bool = False,
