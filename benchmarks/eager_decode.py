@@ -29,7 +29,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from benchmarks.common.plans import HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
 
 
 def _parse(argv):
@@ -49,6 +49,9 @@ def _parse(argv):
     p.add_argument("--head-maps", choices=HEAD_MAPS, default="identity",
                    help="the reuse layers' head maps: identity (the uniform plan's) or rotated (each KV head follows "
                    "its anchor's next head, the shape of a calibrated plan's maps)")
+    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
+                   help="uniform: every layer the same budget; per-layer: 0.5 to 2 times it per layer, the default "
+                   "model's plan's kind (ranked anchors, each reuse layer a prefix of the ranking)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few calls: a smoke run on any machine")
     return p.parse_args(argv)
 
@@ -98,7 +101,8 @@ def _time_call(fn, dev, calls: int) -> dict:
     return r
 
 
-def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict, head_maps: str = "identity") -> dict:
+def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict, head_maps: str = "identity",
+                  budgets: str = "uniform") -> dict:
     """Dense SDPA, Kascade's reuse and anchor layers at ``N`` keys, alternated ``rounds`` times."""
     import torch
     import torch.nn.functional as F
@@ -109,7 +113,7 @@ def layer_timings(N: int, dev, *, calls: int, rounds: int, shapes: dict, head_ma
     from kascade.plan import ModelFingerprint
 
     cfg = LlamaConfig(**{k: v for k, v in shapes.items() if k != "anchors"})
-    plan = uniform_plan(ModelFingerprint.from_config(cfg), shapes["anchors"], head_maps)
+    plan = uniform_plan(ModelFingerprint.from_config(cfg), shapes["anchors"], head_maps, budgets)
     HQ, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, HQ, 1, D, device=dev, generator=g, dtype=torch.bfloat16)
@@ -182,7 +186,7 @@ def _median(xs):
 # (b) generate
 # ----------------------------------------------------------------------------------------------------------------
 def generate_itl(N: int, dev, *, layers: int, shapes: dict, rounds: int, decode_steps: int, backend: str,
-                 head_maps: str = "identity") -> dict:
+                 head_maps: str = "identity", budgets: str = "uniform") -> dict:
     """Eager ``generate`` ITL and TTFT, dense against Kascade, ``rounds`` alternations (the bench's code)."""
     import torch
 
@@ -194,7 +198,7 @@ def generate_itl(N: int, dev, *, layers: int, shapes: dict, rounds: int, decode_
     overrides = {k: v for k, v in shapes.items() if k != "anchors"} | {"num_hidden_layers": layers}
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = random_llama(overrides, device=str(dev), dtype=dtype, max_positions=N + 4 * decode_steps + 64)
-    plan = uniform_plan(ModelFingerprint.from_model(model), shapes["anchors"], head_maps)
+    plan = uniform_plan(ModelFingerprint.from_model(model), shapes["anchors"], head_maps, budgets)
     settings = Settings(lengths=(N,), batches=(1,), decode_steps=decode_steps, warmup_decode_steps=16,
                         generate=("eager",), backend=backend, device=str(dev), time_budget_s=None)
     ids = prompt(1, N, overrides["vocab_size"], settings.seed, dev)
@@ -219,7 +223,8 @@ def _f(x, fmt="{:.1f}"):
 
 
 def summary(result: dict) -> str:
-    lines = [f"eager decode, B=1, {result['setup'].get('head_maps', 'identity')} head maps; {result['environment']}",
+    lines = [f"eager decode, B=1, {result['setup'].get('head_maps', 'identity')} head maps, "
+             f"{result['setup'].get('budgets', 'uniform')} budgets; {result['environment']}",
              ""]
     for lt in result["layers"]:
         m = lt["median"]
@@ -273,14 +278,14 @@ def main(argv=None) -> dict:
     env = f"{where}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     result = {"environment": env, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "setup": {"lengths": lengths, "calls": calls, "rounds": rounds, "layers": layers, "quick": quick,
-                        "launch": args.launch, "head_maps": args.head_maps},
+                        "launch": args.launch, "head_maps": args.head_maps, "budgets": args.budgets},
               "layers": [], "generate": []}
     t0 = time.perf_counter()
     layer_shapes = {**shapes, "num_hidden_layers": 32 if not quick else shapes["num_hidden_layers"]}
     paths = ("triton", "direct") if args.launch == "both" else (args.launch,)
     for N in lengths:
         measure = functools.partial(layer_timings, N, dev, calls=calls, rounds=1, shapes=layer_shapes,
-                                    head_maps=args.head_maps)
+                                    head_maps=args.head_maps, budgets=args.budgets)
         for path, rs in _alternated(paths, rounds, measure).items():
             rows = {name: [r["rounds"][name][0] for r in rs] for name in rs[0]["rounds"]}
             result["layers"].append({**rs[0], "launch": path, "rounds": rows, "median": _medians(rows)})
@@ -290,7 +295,8 @@ def main(argv=None) -> dict:
         backend = "triton" if dev.type == "cuda" else "auto"
         for N in lengths:
             measure = functools.partial(generate_itl, N, dev, layers=layers, shapes=gen_shapes, rounds=1,
-                                        decode_steps=steps, backend=backend, head_maps=args.head_maps)
+                                        decode_steps=steps, backend=backend, head_maps=args.head_maps,
+                                        budgets=args.budgets)
             for path, rs in _alternated(paths, min(rounds, 2), measure).items():
                 runs = [x for r in rs for x in r["runs"]]
                 result["generate"].append({**rs[0], "launch": path, "runs": runs, "itl_speedup_median":

@@ -201,6 +201,25 @@ def test_host_overhead_grows_a_dynamic_cache_through_rotated_head_maps(monkeypat
     assert plan.anchors == (0, 3) and plan.head_map[3] == (0, 1) and plan.head_map[1] == plan.head_map[5] == (1, 0)
 
 
+def test_host_overhead_times_a_ranked_plan_with_its_kernels_stubbed():
+    """--budgets per-layer (the default model's kind of plan: ranked anchors, reuse layers on prefixes): the stubbed
+    step runs (before, ranking gathered pooled values at the stubs' unwritten indices and failed), the kernels are put
+    back, and the plan keeps (1, 0.5, 1.5, 2) times the budget per layer, its anchors ranking as deep as their readers."""
+    from benchmarks import host_overhead
+    from benchmarks.common.plans import uniform_plan
+    from kascade.ops.triton import topk
+    from kascade.plan import ModelFingerprint
+
+    write = topk._write_kernel
+    r = host_overhead.main(["--steps", "3", "--keys", "300", "--layers", "6", "--anchors", "2", "--device", "cpu",
+                            "--cache", "dynamic", "--head-maps", "rotated", "--budgets", "per-layer"])
+    assert r["setup"]["budgets"] == "per-layer" and all(t > 0 for t in r["us"].values())
+    assert topk._write_kernel is write
+    plan = uniform_plan(ModelFingerprint("llama", 6, 4, 2, 16), 2, "rotated", "per-layer")
+    assert plan.ranked and plan.reuse.factor == (1.0, 0.5, 1.5, 2.0, 1.0, 0.5)
+    assert [plan.rank_factor(a) for a in plan.anchors] == [1.5, 2.0]
+
+
 def test_eager_decode_quick_runs_every_measurement(tmp_path):
     """python -m benchmarks.eager_decode --quick (tiny shapes; on a CPU the kernels in Triton's interpreter): every
     layer call and both generate runs get a time, and the JSON and the summary are written."""
