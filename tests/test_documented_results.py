@@ -133,6 +133,30 @@ def test_concepts_fp8_scoring_sentence():
         assert float(bound) - step <= max(change[key]) < float(bound), (key, change[key])
 
 
+def test_concepts_low_precision_scoring_on_triton_sentence():
+    """The Triton backend's FP8 / INT8 fidelity sentence (results/accuracy.json fp8_triton): the mean changes of
+    agreement at 8K and 4K as rounded, FP8's lower in every window at 8K, and the bound on KL's change holds and is
+    the tightest at the digit shown."""
+    text = _prose(_text(DOCS / "concepts.md")).replace("\n", " ")
+    f8, i8, f4, i4, kl = _find(r"FP8 scoring lowers agreement at 8K in every window, by ([\d.]+) points on average, "
+                               r"and INT8 scoring by ([\d.]+) points \(at 4K: (-[\d.]+) and \+([\d.]+) points\); "
+                               r"neither moves KL by more than (\d+\.\d+)", text)
+    rows = {(r["scoring"], r["length"]): r for r in tables.results("accuracy")["fp8_triton"]["rows"]}
+
+    def change(s, n, key="agreement"):
+        return rows[s, n][key] - rows["exact", n][key]
+
+    _shown(f8, -100 * change("fp8", 8192))
+    _shown(i8, -100 * change("int8", 8192))
+    _shown(f4, 100 * change("fp8", 4096))
+    _shown(i4, 100 * change("int8", 4096))
+    assert all(f < e for f, e in zip(rows["fp8", 8192]["per_window_agreement"],
+                                     rows["exact", 8192]["per_window_agreement"]))
+    kls = [abs(change(s, n, "kl")) for s in ("fp8", "int8") for n in (4096, 8192)]
+    step = 10 ** -len(kl.split(".")[1])
+    assert float(kl) - step <= max(kls) < float(kl), kls
+
+
 def test_concepts_int8_scoring_sentence():
     """The INT8 scoring sentence: the ranges of the model rows' mean kept share (INT8 and FP8) are the table's, and
     the bounds on the change of agreement and KL hold for every length and are the tightest at the digit shown."""

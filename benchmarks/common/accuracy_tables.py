@@ -135,6 +135,20 @@ def fp8_selection() -> str:
                    "mass captured: min / mean"], rows)
 
 
+def fp8_fidelity_triton() -> str:
+    """The default plan on the Triton backend (bf16, a GPU) with exact and with low-precision scoring, teacher-forced
+    against dense, per length, and each scoring's change of agreement from exact's in points."""
+    t = results("accuracy")["fp8_triton"]["rows"]
+    lengths = sorted({r["length"] for r in t})
+    at = {(r["scoring"], r["length"]): r for r in t}
+    rows = [[SCORINGS[s], *(f"{at[s, n]['agreement']:.3f} / {at[s, n]['kl']:.4f}" for n in lengths),
+             *("" if s == "exact" else f"{100 * (at[s, n]['agreement'] - at['exact', n]['agreement']):+.2f}"
+               for n in lengths)]
+            for s in SCORINGS if any(r["scoring"] == s for r in t)]
+    return _table(["scoring", *(f"{_n(n)}: agreement / KL" for n in lengths),
+                   *(f"{_n(n)}: change, points" for n in lengths)], rows)
+
+
 def fp8_fidelity() -> str:
     """The default plan (and searched-budgets, the default before it) with exact and with low-precision scoring,
     teacher-forced against dense, per length."""
