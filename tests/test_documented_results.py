@@ -437,6 +437,26 @@ def test_the_default_plans_comparison_with_the_one_before_it():
     _shown("0.7", 100 * (tp["searched-budgets, unconstrained"]["agreement"] - tp["default, unconstrained"]["agreement"]))
 
 
+def test_getting_started_ranked_anchors_sentence():
+    """Ranked anchors' host time on the H100 (results/h100.json generate_host_ranked): the ranges of the anchor's,
+    layer 0's and the reuse layer's medians before and after, and of dense's step, as the page reads."""
+    text = _prose(_text(DOCS / "getting_started.md"))
+    found = _find(r"an anchor took (\d+)-(\d+) us of host time\s+before and (\d+)-(\d+) us after, layer 0 (\d+)-(\d+) "
+                  r"us and (\d+)-(\d+) us, a reuse layer (\d+)-(\d+) us and (\d+)-(\d+) us.*?dense's own step took "
+                  r"([\d.]+)-([\d.]+) ms", text)
+    runs = tables.results("h100")["generate_host_ranked"]["runs"]
+    want = []
+    for key in ("anchor_us", "layer0_us", "reuse_us"):
+        for tree in ("before", "after"):
+            v = [r[key] for r in runs if r["tree"] == tree]
+            assert len(v) == 2
+            want += [min(v), max(v)]
+    assert [int(x) for x in found[:12]] == want
+    steps = [r["dense_step_us"] / 1e3 for r in runs]
+    _shown(found[12], min(steps))
+    _shown(found[13], max(steps))
+
+
 def test_getting_started_fused_mask_sentence():
     """The fused mask and step plan on the H100 (results/h100.json generate_host): the ranges of the mask function's
     and layer 0's medians before and after, and the median speedup of each library's four rounds, as the page reads."""

@@ -193,13 +193,13 @@ def eager_head_maps(card: str) -> str:
                       "step's attention Kascade / dense, before", "after"], step))
 
 
-def generate_host(card: str) -> str:
-    """Eager generate's host time per step and per call, before and after the fused mask and step plan (one row a
-    round, in the order run)."""
+def generate_host(card: str, section: str = "generate_host") -> str:
+    """Eager generate's host time per step and per call, before and after a change (``section``: the fused mask and
+    step plan; ``generate_host_ranked``: ranked anchors' ordering and counts), one row a round, in the order run."""
     rows = [[r["tree"], r["process"], f"{r['dense_step_us'] / 1e3:.2f} / {r['kascade_step_us'] / 1e3:.2f}",
              _x(r["dense_step_us"] / r["kascade_step_us"]), f"{r['dense_mask_us']:.0f} / {r['mask_us']:.0f}",
              f"{r['dense_layer_us']:.0f}", f"{r['layer0_us']:.0f}", f"{r['anchor_us']:.0f}", f"{r['reuse_us']:.0f}"]
-            for r in results(card)["generate_host"]["runs"]]
+            for r in results(card)[section]["runs"]]
     return _table(["library", "process", "step ms, dense / Kascade", "speedup", "mask function us, dense / Kascade",
                    "dense layer us", "layer 0 us", "anchor us", "reuse us"], rows)
 
