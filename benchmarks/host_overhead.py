@@ -82,12 +82,15 @@ class _Stub:
 
 def stub_kernels(counts: dict) -> list:
     """Replace every ``@triton.jit`` function of the decode step's modules by a :class:`_Stub`; returns what to
-    restore."""
+    restore. Not the mask geometry kernel: the mask check reads its flags back (on a GPU; a CPU step does not use
+    it), and a stub's would be whatever the allocator left there."""
     from kascade.ops.triton import decode, step, topk
 
     saved = []
     for mod in (decode, topk, step):
         for name, obj in list(vars(mod).items()):
+            if mod is step and name == "_mask_kernel":
+                continue
             if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner"):
                 saved.append((mod, name, obj))
                 setattr(mod, name, _Stub(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", counts))
