@@ -38,7 +38,7 @@ from ..budget import Budget
 from . import library, reference
 from .geometry import check_dtypes, check_scale, check_shapes
 from .selection import Selection
-from .step import Step, decode_meta, decode_meta_static, launch_bound
+from .step import Step, decode_meta, decode_meta_static, fused_step, launch_bound
 
 __all__ = ["Budget", "Selection", "Step", "attended_keys", "dense_attention", "dense_select", "plan_step",
            "resolve_backend", "select", "sparse_attention"]
@@ -152,7 +152,7 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
                 raise ValueError(f"kv_start must have shape [B]=[{B}], got {tuple(starts.shape)}")
             bound = launch_bound(N) if backend == "triton" else N
             meta = decode_meta_static(B, starts, q_offset.reshape(()).to(q.device), bound, budget,
-                                      fused=backend == "triton" and _fused_step(q.device))
+                                      fused=backend == "triton" and fused_step(q.device))
             return Step(kv_start=None, q_offset=None, meta=meta, **shape)
         q_offset = int(q_offset)
     if q_offset is None:
@@ -173,14 +173,8 @@ def plan_step(q, k, *, budget: Budget | None = None, kv_start=None, q_offset=Non
     meta = None
     if backend == "triton" and L == 1:
         meta = decode_meta(B, device=q.device, kv_start=kv_start, q_offset=q_offset, budget=budget,
-                           fused=_fused_step(q.device))
+                           fused=fused_step(q.device))
     return Step(kv_start=kv_start, q_offset=q_offset, meta=meta, **shape)
-
-
-def _fused_step(device) -> bool:
-    from .triton.step import usable
-
-    return usable(device)
 
 
 def _step(step, q, k, v, **given) -> Step:

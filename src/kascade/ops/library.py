@@ -39,7 +39,7 @@ import torch
 from ..budget import Budget
 from . import reference
 from .selection import Selection
-from .step import DecodeMeta
+from .step import DecodeMeta, fused_step
 
 NAMESPACE = "kascade"
 
@@ -84,16 +84,9 @@ def _meta(meta: torch.Tensor, keys: int, budget: Budget | None):
         return last[3]
     B = meta.shape[0]
     dm = DecodeMeta(tensor=meta, n=(keys,) * B, k=None if budget is None else (budget.decode(keys),) * B, paged=False,
-                    fused=_fused(meta.device))
+                    fused=fused_step(meta.device))
     _LAST_META[0] = (meta, keys, budget, dm) if cache else None
     return dm
-
-
-def _fused(device) -> bool:
-    """Whether a step's counts on ``device`` take one Triton launch (:attr:`DecodeMeta.fused`)."""
-    from .triton.step import usable
-
-    return usable(device)
 
 
 def decode_width(keys: int, ratio: float, k_min: int, rank_factor: Optional[float]) -> int:

@@ -60,9 +60,7 @@ class DecodeMeta:
         key = ("counts", float(factor))
         if key not in self.derived:
             if self.fused:
-                from .triton.step import counts_tensor
-
-                self.derived[key] = counts_tensor(self.tensor, budget.ratio, budget.k_min, factor)
+                self.derived[key] = self._counts_launch(budget, factor, rows=False)
             else:
                 self.derived[key] = budget.decode_counts(self.tensor[:, 1].long(), factor).to(torch.int32).contiguous()
         return self.derived[key]
@@ -74,15 +72,27 @@ class DecodeMeta:
         key = ("with_counts", float(factor))
         if key not in self.derived:
             if self.fused:
-                from .triton.step import counts_tensor
-
-                t = counts_tensor(self.tensor, budget.ratio, budget.k_min, factor, rows=True)
+                t = self._counts_launch(budget, factor, rows=True)
             else:
                 t = self.tensor.clone()
                 t[:, 2] = self.counts(budget, factor)
             self.derived[key] = DecodeMeta(tensor=t, n=self.n, k=tuple(budget.decode_counts(n, factor) for n in self.n),
                                            paged=self.paged, fused=self.fused)
         return self.derived[key]
+
+    def _counts_launch(self, budget: Budget, factor: float, rows: bool) -> torch.Tensor:
+        from .triton.step import counts_tensor
+
+        return counts_tensor(self.tensor, budget.ratio, budget.k_min, factor, rows=rows)
+
+
+def fused_step(device) -> bool:
+    """Whether a decode step on ``device`` plans its metadata, and counts its keys at a budget multiplier, in one
+    Triton launch each (:mod:`kascade.ops.triton.step`; :attr:`DecodeMeta.fused`): eagerly, on a GPU (or the
+    interpreter)."""
+    from .triton.step import usable
+
+    return usable(device)
 
 
 def decode_meta(B: int, *, device, kv_start=None, q_offset=None, seq_lens=None, budget: Budget | None = None,
@@ -268,4 +278,5 @@ class Step:
         return self._memo[key]
 
 
-__all__ = ["DecodeMeta", "LAUNCH_BOUND_STEP", "Step", "decode_meta", "decode_meta_static", "launch_bound"]
+__all__ = ["DecodeMeta", "LAUNCH_BOUND_STEP", "Step", "decode_meta", "decode_meta_static", "fused_step",
+           "launch_bound"]

@@ -62,6 +62,12 @@ def _mask_kernel(M, Qp, Out, W, stride_b, q_given, kv_offset, HAS_Q: tl.constexp
 
 
 @triton.jit
+def _budget_k(n, Ratio, k_min):
+    # k(n) = min(n, max(k_min, floor(ratio * n))) of int64 n, in float64 as kascade.budget.Budget.k computes it
+    return tl.minimum(n, tl.maximum(tl.floor(n.to(tl.float64) * tl.load(Ratio)).to(tl.int64), k_min))
+
+
+@triton.jit
 def _meta_kernel(Start, Qp, Ratio, Out, k_min, HAS_START: tl.constexpr, B: tl.constexpr, BP: tl.constexpr):
     i = tl.arange(0, BP)
     inside = i < B
@@ -70,8 +76,7 @@ def _meta_kernel(Start, Qp, Ratio, Out, k_min, HAS_START: tl.constexpr, B: tl.co
     else:
         start = tl.zeros((BP,), dtype=tl.int64)
     n = tl.load(Qp).to(tl.int64) + 1 - start
-    k = tl.floor(n.to(tl.float64) * tl.load(Ratio)).to(tl.int64)
-    k = tl.minimum(n, tl.maximum(k, k_min))
+    k = _budget_k(n, Ratio, k_min)
     row = Out + 4 * i
     tl.store(row, start.to(tl.int32), mask=inside)
     tl.store(row + 1, n.to(tl.int32), mask=inside)
@@ -81,13 +86,12 @@ def _meta_kernel(Start, Qp, Ratio, Out, k_min, HAS_START: tl.constexpr, B: tl.co
 
 @triton.jit
 def _counts_kernel(Meta, Ratio, Factor, Out, k_min, ROWS: tl.constexpr, B: tl.constexpr, BP: tl.constexpr):
-    # at_factor(k(n), factor, n) = min(n, max(floor(factor * k + 0.5), min(k, 1))), k = k(n) as in _meta_kernel, in
-    # float64 as kascade.budget computes them. ROWS: Out is Meta's [B, 4] with column 2 replaced; else [B].
+    # at_factor(k(n), factor, n) = min(n, max(floor(factor * k + 0.5), min(k, 1))), in float64 as kascade.budget
+    # computes it. ROWS: Out is Meta's [B, 4] with column 2 replaced; else [B].
     i = tl.arange(0, BP)
     inside = i < B
     n = tl.load(Meta + 4 * i + 1, mask=inside, other=0).to(tl.int64)
-    k = tl.floor(n.to(tl.float64) * tl.load(Ratio)).to(tl.int64)
-    k = tl.minimum(n, tl.maximum(k, k_min))
+    k = _budget_k(n, Ratio, k_min)
     c = tl.floor(k.to(tl.float64) * tl.load(Factor) + 0.5).to(tl.int64)
     c = tl.minimum(tl.maximum(c, tl.minimum(k, 1)), n)
     if ROWS:
