@@ -29,7 +29,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import add_plan_options, uniform_plan
 
 
 def _parse(argv):
@@ -46,12 +46,7 @@ def _parse(argv):
                    help="how Kascade's decode kernels are launched: direct (kascade.ops.triton.launch, the default), "
                    "triton (Triton's own path, KASCADE_TRITON_LAUNCH=triton), or both, alternated every round "
                    "(each layer table then names its launch path)")
-    p.add_argument("--head-maps", choices=HEAD_MAPS, default="identity",
-                   help="the reuse layers' head maps: identity (the uniform plan's) or rotated (each KV head follows "
-                   "its anchor's next head, the shape of a calibrated plan's maps)")
-    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
-                   help="uniform: every layer the same budget; per-layer: 0.5 to 2 times it per layer, the default "
-                   "model's plan's kind (ranked anchors, each reuse layer a prefix of the ranking)")
+    add_plan_options(p)
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few calls: a smoke run on any machine")
     return p.parse_args(argv)
 

@@ -34,7 +34,7 @@ import statistics
 import time
 
 from benchmarks.common import out_folder
-from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import add_plan_options, uniform_plan
 
 SKIP = 10  # decode steps left out of the medians (prefill and warm-up)
 
@@ -47,12 +47,7 @@ def _parse(argv):
     p.add_argument("--anchors", type=int, default=2, help="anchors of the uniform plan, layer 0 included (default 2)")
     p.add_argument("--steps", type=int, default=40, help="generated tokens per run (default 40; > 12)")
     p.add_argument("--rounds", type=int, default=2, help="dense / Kascade alternations (default 2)")
-    p.add_argument("--head-maps", choices=HEAD_MAPS, default="rotated",
-                   help="the reuse layers' head maps (default rotated: a calibrated plan's reuse layers follow other "
-                   "heads)")
-    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
-                   help="uniform: every layer the same budget; per-layer: 0.5 to 2 times it per layer, the default "
-                   "model's plan's kind (ranked anchors, each reuse layer a prefix of the ranking)")
+    add_plan_options(p, head_maps="rotated")
     p.add_argument("--profile", action="store_true", help="a cProfile of ten Kascade decode steps (profile.txt)")
     p.add_argument("--out", default=None, help="output folder (default out/generate_host)")
     p.add_argument("--quick", action="store_true", help="tiny shapes on this machine's device: a smoke run")

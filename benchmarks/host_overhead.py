@@ -2,7 +2,8 @@
 checks and the launch bookkeeping cost around the kernels, on any machine (a CPU included).
 
     python -m benchmarks.host_overhead [--device cpu|cuda] [--steps 300] [--keys 4096] [--cache static|dynamic]
-                                       [--head-maps identity|rotated] [--budgets uniform|per-layer] [--launch] [--no-gc] [--json FILE]
+                                       [--head-maps identity|rotated] [--budgets uniform|per-layer] [--launch]
+                                       [--no-gc] [--json FILE]
 
 A static-cache decode step (the geometry on the device, as ``generate`` with a static cache or GraphDecoder gives
 it; with ``--cache dynamic`` the keys grow by one a step and K and V are new tensors each step, as transformers'
@@ -33,7 +34,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from benchmarks.common.plans import BUDGETS, HEAD_MAPS, uniform_plan
+from benchmarks.common.plans import add_plan_options, uniform_plan
 
 
 def _parse(argv):
@@ -49,14 +50,7 @@ def _parse(argv):
                    help="static: every step over the same --keys slots (a static cache, generate's compiled path); "
                    "dynamic: the keys grow by one a step, each step's K and V new tensors (transformers' default "
                    "DynamicCache, what eager generate uses): the step's geometry and the tensors' strides change")
-    p.add_argument("--head-maps", choices=HEAD_MAPS, default="identity",
-                   help="the reuse layers' head maps: identity (the uniform plan's) or rotated (KV head h follows its "
-                   "anchor's head h + 1: a calibrated plan's reuse layers follow other heads, all 24 of the default "
-                   "model's)")
-    p.add_argument("--budgets", choices=BUDGETS, default="uniform",
-                   help="uniform: every layer the same budget (the paper's rule); per-layer: 0.5 to 2 times it per "
-                   "layer, the default model's plan's kind: its anchors rank their keys and each reuse layer attends a "
-                   "prefix of the ranking")
+    add_plan_options(p)
     p.add_argument("--launch", action="store_true",
                    help="CUDA only: launch the kernels (their launches' host cost counted: Triton's and SDPA's; the "
                    "GPU's time is not, the host does not wait for it)")

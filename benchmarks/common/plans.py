@@ -10,6 +10,19 @@ BUDGETS = ("uniform", "per-layer")
 PER_LAYER = (1.0, 0.5, 1.5, 2.0)
 
 
+def add_plan_options(parser, head_maps: str = "identity") -> None:
+    """The options that shape :func:`uniform_plan`'s plan in a benchmark: ``--head-maps`` (default ``head_maps``)
+    and ``--budgets``."""
+    parser.add_argument("--head-maps", choices=HEAD_MAPS, default=head_maps,
+                        help=f"the reuse layers' head maps: identity (the uniform plan's) or rotated (KV head h follows "
+                        f"its anchor's head h + 1: a calibrated plan's reuse layers follow other heads, all 24 of the "
+                        f"default model's) (default {head_maps})")
+    parser.add_argument("--budgets", choices=BUDGETS, default="uniform",
+                        help="uniform: every layer the same budget (the paper's rule); per-layer: 0.5 to 2 times it per "
+                        "layer, the default model's plan's kind: its anchors rank their keys and each reuse layer "
+                        "attends a prefix of the ranking (default uniform)")
+
+
 def uniform_plan(fingerprint, anchors: int, head_maps: str = "identity", budgets: str = "uniform"):
     """``anchors`` evenly spaced anchors (:meth:`kascade.KascadePlan.uniform`). ``head_maps="rotated"``: each reuse
     layer's KV head ``h`` follows its anchor's head ``h + 1`` (mod H), as the reuse layers of a calibrated plan
