@@ -861,13 +861,43 @@ def anchor_prefill(q, k, v, *, budget: Budget, scale, kv_start=None, q_offset=No
     return sparse_prefill(q, k, v, sel, scale=scale, kv_start=kv_start, q_offset=q_offset), sel
 
 
+# Layer 0's dense pass (its output and LSE) through cuDNN's attention where that serves (:func:`_cudnn_dense`), else
+# through :func:`dense_prefill`; False: always the latter (python -m benchmarks.fp8_scoring times both).
+CUDNN_LAYER0 = True
+
+
+def _cudnn_dense(q, k, v, scale, host_start, q_offset):
+    """``(out, lse [B, HQ, L] fp32)`` of exact causal attention from cuDNN's fused kernel (the fastest dense prefill on
+    Hopper: run 12's baseline), or None where it does not serve: a prompt read from its first slot (``q_offset`` 0, no
+    left padding; later cache slots are not read), bf16 / fp16, D 64 or 128, a Hopper or later GPU with cuDNN. The KV
+    heads are repeated to the query heads for it (a copy of K and V while it runs). Its LSE is the natural log, as
+    :func:`dense_prefill`'s."""
+    B, HQ, L, D = q.shape
+    if not (CUDNN_LAYER0 and q.is_cuda and q_offset == 0 and not bool(host_start.any()) and D in (64, 128)
+            and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q.device)[0] >= 9):
+        return None
+    G = HQ // k.shape[1]
+    k, v = k[:, :, :L], v[:, :, :L]
+    if G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
+                                                                  scale=scale)[:2]
+    return out, lse.reshape(B, HQ, L).float().contiguous()
+
+
 @_renamed.keywords(_renamed.RANK_FACTOR, depth="rank_factor")
 def dense_select_prefill(q, k, v, *, scale, budget: Budget | None = None, kv_start=None, q_offset=None, step=None,
                          max_chunk_bytes=64 << 20, index_dtype=None, rank_factor=None):
     """Layer 0: the dense output (with its LSE), then the selection (ranked with ``rank_factor``, see
     :func:`select_prefill`), both exact whatever the budget's ``score_dtype`` (FP8 scoring is the anchors').
     ``-> (out, Selection)``."""
-    out, lse = dense_prefill(q, k, v, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, return_lse=True)
+    geometry = _geometry(q, k, step, kv_start, q_offset)
+    fast = _cudnn_dense(q, k, v, scale, geometry[1], geometry[2])
+    if fast is not None:
+        out, lse = fast
+    else:
+        out, lse = _dense_run(q, k, v, scale=scale, has_v=True, write_lse=True, geometry=geometry)
     budget = replace(budget or step.budget, score_dtype=None)
     sel = select_prefill(q, k, budget=budget, scale=scale, kv_start=kv_start, q_offset=q_offset, step=step, lse=lse,
                          max_chunk_bytes=max_chunk_bytes, index_dtype=index_dtype, rank_factor=rank_factor)
