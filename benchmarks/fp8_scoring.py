@@ -8,10 +8,9 @@ bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype`` "fp8
 "int8" (:mod:`kascade.ops.int8`); every figure of a quantised scoring carries its suffix, ``_fp8`` or ``_int8``:
 
 * prefill, B = 1, N in 32K / 128K: cuDNN SDPA (the dense baseline), the anchor layer (selection with its own LSE
-  pass, then the sparse pass), its parts (quantising q and k, the LSE pass, the selection), layer 0 (its dense pass
-  cuDNN's where that serves, ``prefill.CUDNN_LAYER0``; ``layer0_own``: ours) and a reuse layer, and the model
-  average of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers; ``model_avg_own*``: with
-  ``layer0_own``);
+  pass, then the sparse pass), its parts (quantising q and k, the LSE pass, the selection), layer 0 (``layer0``:
+  its dense pass ours; ``layer0_cudnn``: cuDNN's, ``prefill.CUDNN_LAYER0``) and a reuse layer, and the model average
+  of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers; ``model_avg_cudnn*``: with ``layer0_cudnn``);
 * decode, B in 1 / 32, N in 32K / 128K, each call captured in a CUDA graph and replayed: dense (the faster of SDPA
   and our split-K kernel), the anchor layer with exact scoring and with FP8 / INT8 scoring over an 8-bit copy of the
   keys (what a decode step keeping its anchors' keys in 8 bits reads; the copy's bytes are reported), its selection
@@ -69,8 +68,9 @@ def _ratios(row: dict, dense: float) -> None:
     for tag in ("", *QUANTISED):
         row["anchor_x" + tag] = row["anchor" + tag] / dense
         row["model_avg" + tag] = 32 * dense / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
-        if "layer0_own" in row:  # prefill: the same with layer 0's dense pass ours
-            row["model_avg_own" + tag] = 32 * dense / (row["layer0_own"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
+        if "layer0_cudnn" in row:  # prefill: the same with layer 0's dense pass cuDNN's
+            row["model_avg_cudnn" + tag] = 32 * dense / (row["layer0_cudnn"] + 4 * row["anchor" + tag]
+                                                         + 27 * row["reuse"])
 
 
 def prefill_row(name, HQ, H, D, N) -> dict:
@@ -96,12 +96,12 @@ def prefill_row(name, HQ, H, D, N) -> dict:
         row["select_scores_only" + tag] = median_ms(lambda: tp.select_prefill(q, k, budget=b, scale=sc,
                                                                              scores_only=True))
         row["anchor" + tag] = median_ms(lambda: tp.anchor_prefill(q, k, v, budget=b, scale=sc))
-    row["layer0"] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
-    cudnn_layer0, tp.CUDNN_LAYER0 = tp.CUDNN_LAYER0, False  # layer 0's dense pass ours, not cuDNN's (before 2026-12-08)
-    try:
-        row["layer0_own"] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
-    finally:
-        tp.CUDNN_LAYER0 = cudnn_layer0
+    for tag, on in (("", False), ("_cudnn", True)):  # layer 0's dense pass ours, then cuDNN's (tp.CUDNN_LAYER0)
+        was, tp.CUDNN_LAYER0 = tp.CUDNN_LAYER0, on
+        try:
+            row["layer0" + tag] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
+        finally:
+            tp.CUDNN_LAYER0 = was
     sel = tp.select_prefill(q, k, budget=exact, scale=sc)
     row["reuse"] = median_ms(lambda: tp.sparse_prefill(q, k, v, sel, scale=sc))
     for tag in QUANTISED:
@@ -115,7 +115,7 @@ def prefill_row(name, HQ, H, D, N) -> dict:
         f"quantize {row['quantize_qk']:.2f} | model {row['model_avg']:.2f}x / {row['model_avg_fp8']:.2f}x | "
         f"kept {row['kept_share']:.4f} | int8: anchor {row['anchor_int8']:.2f} ({row['anchor_x_int8']:.2f}x) lse "
         f"{row['lse_int8']:.2f} model {row['model_avg_int8']:.2f}x kept {row['kept_share_int8']:.4f} | layer 0 "
-        f"{row['layer0']:.2f} (ours {row['layer0_own']:.2f})")
+        f"{row['layer0']:.2f}, cuDNN's dense pass {row['layer0_cudnn']:.2f}")
     return row
 
 

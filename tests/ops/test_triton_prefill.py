@@ -445,23 +445,25 @@ def test_exp2_on_the_fma_pipes_is_as_accurate_as_the_sfu():
     assert (y[~normal] == 0).all()
 
 
-# Layer 0 of a prompt read from its first slot (no left padding, q_offset 0): on a Hopper GPU its dense pass is cuDNN's
-# attention with its LSE (tp._cudnn_dense), elsewhere dense_prefill; both against the reference, cache slots after the
-# prompt poisoned.
+# Layer 0 of a prompt read from its first slot (no left padding, q_offset 0), with and without tp.CUDNN_LAYER0: on a
+# Hopper GPU with it, its dense pass is cuDNN's attention with its LSE (tp._cudnn_dense), elsewhere dense_prefill; both
+# against the reference, cache slots after the prompt poisoned.
 FROM_START = [(2, 2, 4, 96, 96, 128, 32, torch.bfloat16), (1, 3, 3, 77, 77, 64, 16, torch.float16),
               (2, 1, 1, 70, 70, 64, 32, torch.bfloat16), (1, 1, 4, 83, 83, 256, 16, torch.float16)]
 
 
+@pytest.mark.parametrize("cudnn", [True, False], ids=["cudnn-on", "cudnn-off"])
 @pytest.mark.parametrize("case", FROM_START, ids=[_id((*c, False)) for c in FROM_START])
-def test_layer0_of_a_prompt_from_its_start_matches_reference(case, monkeypatch):
+def test_layer0_of_a_prompt_from_its_start_matches_reference(case, cudnn, monkeypatch):
     B, H, G, N, L, D, T, dt = case
     q64, k64, v64 = masters(torch.Generator().manual_seed(N * 13 + D), B, H, G, L, N + 5, D)
     q, k, v = q64.to(dt), k64.to(dt), v64.to(dt)
     kv_start = torch.zeros(B, dtype=torch.long)
     pos = {"scale": D**-0.5, "kv_start": kv_start, "q_offset": 0}
     served = []
-    cudnn = tp._cudnn_dense
-    monkeypatch.setattr(tp, "_cudnn_dense", lambda *a: served.append(cudnn(*a)) or served[-1])
+    fast = tp._cudnn_dense
+    monkeypatch.setattr(tp, "_cudnn_dense", lambda *a: served.append(fast(*a)) or served[-1])
+    monkeypatch.setattr(tp, "CUDNN_LAYER0", cudnn)
     budget = _budget(T)
     out, sel = tp.dense_select_prefill(dev(q), dev(poison(k, kv_start, L)), dev(poison(v, kv_start, L)),
                                        budget=budget, **pos)
@@ -473,7 +475,7 @@ def test_layer0_of_a_prompt_from_its_start_matches_reference(case, monkeypatch):
                             pooled_prefill_rows(q, k, kv_start, 0, pos["scale"], T), kv_start, 0, L, budget,
                             "layer 0 selection")
     hopper = dev(q).is_cuda and torch.cuda.get_device_capability()[0] >= 9
-    assert (served[0] is not None) == (hopper and D in (64, 128)), "cuDNN serves layer 0 exactly where it should"
+    assert (served[0] is not None) == (cudnn and hopper and D in (64, 128)), "cuDNN serves layer 0 where it should"
 
 
 # FP8 scoring (kascade.ops.fp8): the kernels quantise q and k once and both passes score in e4m3; by definition the
