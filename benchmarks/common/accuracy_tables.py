@@ -95,6 +95,22 @@ def needle_phases() -> str:
     return _table(["way", "prefill and decode", "samples", "pass rate [95% interval]"], rows)
 
 
+def dense_tail() -> str:
+    """The default plan with and without ``dense_tail=32`` on the same needle samples: pass rates with their 95%
+    Wilson intervals, the samples one way answers and the other does not, and the keys attended."""
+    t = results("accuracy")["dense_tail"]
+    rows = []
+    for r in t["rows"]:
+        cells = []
+        for way in ("plain", "tail"):
+            lo, hi = wilson(r[way], r["samples"])
+            cells.append(f"{r[way] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]")
+        rows.append([f"`{r['task']}`", _n(r["length"]), r["samples"], *cells, f"{r['tail_only']} / {r['plain_only']}",
+                     f"{r['attended_plain']:.3f} / {r['attended_tail']:.3f}"])
+    return _table(["task", "tokens", "samples", "default plan", "with `dense_tail=32`",
+                   "answered one way only: with / without", "keys attended: without / with"], rows)
+
+
 def retrieval_plan() -> str:
     """The default plan (shipped as "retrieval" when measured, the JSON's ``retrieval``) against searched-budgets (the
     default before, the JSON's ``default``): held-out fidelity, needles answered (paired), and the diagnosis that led

@@ -16,8 +16,8 @@ from kascade import Budget, KascadePlan, ModelFingerprint, costs
 from kascade.plan.shipped import shipped_plans
 from kascade.tensor_parallel import step_exchange_bytes
 
-from .accuracy_tables import (anchor_adaptation, fp8_fidelity, fp8_fidelity_triton, fp8_selection, heldout,
-                              mass_budgets, needle,
+from .accuracy_tables import (anchor_adaptation, dense_tail, fp8_fidelity, fp8_fidelity_triton, fp8_selection,
+                              heldout, mass_budgets, needle,
                               needle_phases, plans_accuracy, retrieval_plan)
 from .cells import MODEL_NAMES, _n, _row, _sig, _table, _x, results
 
@@ -387,6 +387,7 @@ BLOCKS = {
     "mass-budgets": mass_budgets,
     "anchor-adaptation": anchor_adaptation,
     "needle-phases": needle_phases,
+    "dense-tail": dense_tail,
     "retrieval-plan": retrieval_plan,
     "fp8-selection": fp8_selection,
     "fp8-fidelity": fp8_fidelity,

@@ -465,8 +465,9 @@ def test_layer0_of_a_prompt_from_its_start_matches_reference(case, cudnn, monkey
     monkeypatch.setattr(tp, "_cudnn_dense", lambda *a: served.append(fast(*a)) or served[-1])
     monkeypatch.setattr(tp, "CUDNN_LAYER0", cudnn)
     budget = _budget(T)
-    out, sel = tp.dense_select_prefill(dev(q), dev(poison(k, kv_start, L)), dev(poison(v, kv_start, L)),
-                                       budget=budget, **pos)
+    qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2)  # [B, HQ, L, D] as a model's view hands it
+    out, sel = tp.dense_select_prefill(qd, dev(poison(k, kv_start, L)), dev(poison(v, kv_start, L)), budget=budget,
+                                       **pos)
     ref = {"kv_start": kv_start, "q_offset": 0, "scale": pos["scale"]}
     k64, v64, k, v = k64[:, :, :L], v64[:, :, :L], k[:, :, :L], v[:, :, :L]
     check_close(out, reference.dense_attention(q64, k64, v64, **ref), reference.dense_attention(q, k, v, **ref),
@@ -474,7 +475,7 @@ def test_layer0_of_a_prompt_from_its_start_matches_reference(case, cudnn, monkey
     check_prefill_selection(sel, reference.select(q, k, budget=budget, **ref),
                             pooled_prefill_rows(q, k, kv_start, 0, pos["scale"], T), kv_start, 0, L, budget,
                             "layer 0 selection")
-    hopper = dev(q).is_cuda and torch.cuda.get_device_capability()[0] >= 9
+    hopper = qd.is_cuda and torch.cuda.get_device_capability()[0] >= 9
     assert (served[0] is not None) == (cudnn and hopper and D in (64, 128)), "cuDNN serves layer 0 where it should"
 
 
