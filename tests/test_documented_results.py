@@ -302,6 +302,24 @@ def test_calibration_needle_phases_sentences():
     assert rate["plan-dense-tail"] < rate["dense"]  # "without closing it"
 
 
+def test_calibration_dense_tail_sentences():
+    """The dense tail on the default plan: it answers fewer needles on the same samples at more keys attended (every
+    row, paired counts adding up), and in the demo's own sample the plain plan misses the needle the tail answers."""
+    text = _prose(_text(DOCS / "calibration.md"))
+    _find(r"On the default plan,\s+which moved an anchor to where those needles were lost, it answers fewer, on the same "
+          r"samples and at more keys\s+attended", text)
+    _find(r"In `kascade demo`'s own sample \(seed 0, 4K\) the default plan misses the needle and the dense tail "
+          r"answers it", text)
+    t = tables.results("accuracy")["dense_tail"]
+    for r in t["rows"]:
+        assert r["tail"] - r["plain"] == r["tail_only"] - r["plain_only"]  # paired counts add up
+        assert r["tail"] < r["plain"] and r["attended_tail"] > r["attended_plain"]
+    d = t["demo"]
+    assert d["seed"] == 0 and 4000 <= d["tokens"] <= 4200 and not d["plain_answered"] and d["tail_answered"]
+    assert d["needle"] in d["tail_answer"] and d["needle"] not in d["plain_answer"]
+    assert tables._shipped("default").dense_tail == 0  # "The shipped plans keep dense_tail=0"
+
+
 def test_calibration_retrieval_plan_sentences():
     """The "retrieval" plan: the diagnosis's best run is layers 3-11 (the default's reuse layers of anchor 2); the
     shipped plan is the default with anchor 1 moved into them, at the same budgets and attended fraction; it is closer
