@@ -303,17 +303,26 @@ def test_calibration_needle_phases_sentences():
 
 
 def test_calibration_dense_tail_sentences():
-    """The dense tail on the default plan: it answers fewer needles on the same samples at more keys attended (every
-    row, paired counts adding up), and in the demo's own sample the plain plan misses the needle the tail answers."""
+    """The dense tail on the default plan: on the same samples (paired counts adding up) fewer passkeys, more facts and
+    two-fact needles, as many in all, at more keys attended on every row; in the demo's own sample the plain plan
+    misses the needle the tail answers."""
     text = _prose(_text(DOCS / "calibration.md"))
-    _find(r"On the default plan,\s+which moved an anchor to where those needles were lost, it answers fewer, on the same "
-          r"samples and at more keys\s+attended", text)
+    _find(r"On the default plan,\s+which moved an anchor to where those needles were lost, it gains nothing over the "
+          r"suite at 2K: on the same samples it\s+answers fewer passkeys and more facts and two-fact needles, as many "
+          r"as without it in all, at more keys attended", text)
     _find(r"In `kascade demo`'s own sample \(seed 0, 4K\) the default plan misses the needle and the dense tail "
           r"answers it", text)
     t = tables.results("accuracy")["dense_tail"]
+    rows = {r["task"]: r for r in t["rows"]}
+    assert set(rows) == {"needle_passkey", "needle_fact", "needle_multikey"}
+    assert {r["length"] for r in t["rows"]} == {2048}
     for r in t["rows"]:
         assert r["tail"] - r["plain"] == r["tail_only"] - r["plain_only"]  # paired counts add up
-        assert r["tail"] < r["plain"] and r["attended_tail"] > r["attended_plain"]
+        assert r["attended_tail"] > r["attended_plain"]
+    assert rows["needle_passkey"]["tail"] < rows["needle_passkey"]["plain"]
+    assert rows["needle_fact"]["tail"] > rows["needle_fact"]["plain"]
+    assert rows["needle_multikey"]["tail"] > rows["needle_multikey"]["plain"]
+    assert sum(r["tail"] for r in t["rows"]) == sum(r["plain"] for r in t["rows"])  # "as many in all"
     d = t["demo"]
     assert d["seed"] == 0 and 4000 <= d["tokens"] <= 4200 and not d["plain_answered"] and d["tail_answered"]
     assert d["needle"] in d["tail_answer"] and d["needle"] not in d["plain_answer"]
