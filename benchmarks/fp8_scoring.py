@@ -9,7 +9,8 @@ bf16, Budget(ratio=0.1, k_min=128, tile=32), exact and with ``score_dtype`` "fp8
 
 * prefill, B = 1, N in 32K / 128K: cuDNN SDPA (the dense baseline), the anchor layer (selection with its own LSE
   pass, then the sparse pass), its parts (quantising q and k, the LSE pass, the selection), layer 0 (``layer0``:
-  its dense pass ours; ``layer0_cudnn``: cuDNN's, ``prefill.CUDNN_LAYER0``) and a reuse layer, and the model average
+  its dense pass ours; ``layer0_cudnn``: cuDNN's, ``prefill.CUDNN_LAYER0``; ``layer0_peak_mb*``: the memory each
+  allocates at its peak, in MiB) and a reuse layer, and the model average
   of 5 anchors in 32 layers (1 layer 0 + 4 anchors + 27 reuse layers; ``model_avg_cudnn*``: with ``layer0_cudnn``);
 * decode, B in 1 / 32, N in 32K / 128K, each call captured in a CUDA graph and replayed: dense (the faster of SDPA
   and our split-K kernel), the anchor layer with exact scoring and with FP8 / INT8 scoring over an 8-bit copy of the
@@ -100,6 +101,11 @@ def prefill_row(name, HQ, H, D, N) -> dict:
         was, tp.CUDNN_LAYER0 = tp.CUDNN_LAYER0, on
         try:
             row["layer0" + tag] = median_ms(lambda: tp.dense_select_prefill(q, k, v, budget=exact, scale=sc))
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            tp.dense_select_prefill(q, k, v, budget=exact, scale=sc)
+            row["layer0_peak_mb" + tag] = (torch.cuda.max_memory_allocated() - base) / 2**20  # above the inputs'
         finally:
             tp.CUDNN_LAYER0 = was
     sel = tp.select_prefill(q, k, budget=exact, scale=sc)
