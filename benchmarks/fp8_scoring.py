@@ -68,10 +68,10 @@ def _ratios(row: dict, dense: float) -> None:
     layers), exact, FP8 and INT8, into ``row``."""
     for tag in ("", *QUANTISED):
         row["anchor_x" + tag] = row["anchor" + tag] / dense
-        row["model_avg" + tag] = 32 * dense / (row["layer0"] + 4 * row["anchor" + tag] + 27 * row["reuse"])
-        if "layer0_cudnn" in row:  # prefill: the same with layer 0's dense pass cuDNN's
-            row["model_avg_cudnn" + tag] = 32 * dense / (row["layer0_cudnn"] + 4 * row["anchor" + tag]
-                                                         + 27 * row["reuse"])
+        for l0 in ("", "_cudnn"):  # prefill has layer 0 with cuDNN's dense pass too (layer0_cudnn)
+            if "layer0" + l0 in row:
+                row["model_avg" + l0 + tag] = 32 * dense / (row["layer0" + l0] + 4 * row["anchor" + tag]
+                                                            + 27 * row["reuse"])
 
 
 def prefill_row(name, HQ, H, D, N) -> dict:

@@ -85,13 +85,18 @@ def adaptation_table(rows: list[dict]) -> str:
                    "change of agreement per window: min / mean / max", "windows better / worse"], out)
 
 
+def _pass_rate(passed: int, samples: int) -> str:
+    """A pass rate with its 95% Wilson interval: ``0.85 [0.77, 0.91]``."""
+    lo, hi = wilson(passed, samples)
+    return f"{passed / samples:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
 def needle_phases() -> str:
     """Where the searched-budgets plan (the default when measured) loses the needle: each way's pass rate with its 95% Wilson interval."""
     t = results("accuracy")["needle_phases"]
     rows = []
     for r in t["rows"]:
-        lo, hi = wilson(r["passed"], r["samples"])
-        rows.append([f"`{r['way']}`", r["what"], r["samples"], f"{r['passed'] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]"])
+        rows.append([f"`{r['way']}`", r["what"], r["samples"], _pass_rate(r["passed"], r["samples"])])
     return _table(["way", "prefill and decode", "samples", "pass rate [95% interval]"], rows)
 
 
@@ -101,10 +106,7 @@ def dense_tail() -> str:
     t = results("accuracy")["dense_tail"]
     rows = []
     for r in t["rows"]:
-        cells = []
-        for way in ("plain", "tail"):
-            lo, hi = wilson(r[way], r["samples"])
-            cells.append(f"{r[way] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]")
+        cells = [_pass_rate(r[way], r["samples"]) for way in ("plain", "tail")]
         rows.append([f"`{r['task']}`", _n(r["length"]), r["samples"], *cells, f"{r['tail_only']} / {r['plain_only']}",
                      f"{r['attended_plain']:.3f} / {r['attended_tail']:.3f}"])
     return _table(["task", "tokens", "samples", "default plan", "with `dense_tail=32`",
@@ -121,10 +123,7 @@ def retrieval_plan() -> str:
             for r in t["fidelity"]["rows"]]
     for r in t["needle"]:
         where = f"{'H100' if 'H100' in r['machine'] else 'CPU'}, {'Triton' if 'Triton backend' in r['machine'] else 'reference'}"
-        cells = []
-        for p in ("default", "retrieval"):
-            lo, hi = wilson(r[p], r["samples"])
-            cells.append(f"{r[p] / r['samples']:.2f} [{lo:.2f}, {hi:.2f}]")
+        cells = [_pass_rate(r[p], r["samples"]) for p in ("default", "retrieval")]
         rows.append([f"{r['task']} {_n(r['length'])}, {r['samples']} samples ({where})", *cells,
                      f"{r['retrieval_only']} / {r['default_only']}"])
     d = t["diagnosis"]
